@@ -1,0 +1,162 @@
+"""Helpers for exercise tests: comparisons that explain themselves, and the reference fallback.
+
+A failing check raises ``AssertionError`` with a message meant for the student:
+what was expected, what came back, and where the two differ.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+# Default tolerances per dtype: about a few units in the last place of each format.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-12),
+    torch.float32: (1e-5, 1e-6),
+    torch.float16: (1e-3, 1e-4),
+    torch.bfloat16: (1.6e-2, 1e-3),
+}
+
+
+class NotDoneYet(AssertionError):
+    """Raised by a test when the exercise still raises NotImplementedError."""
+
+
+def _as_tensor(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
+    return torch.as_tensor(x)
+
+
+def assert_close(
+    actual: Any,
+    expected: Any,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    name: str = "result",
+    check_dtype: bool = True,
+    equal_nan: bool = True,
+) -> None:
+    """Check ``actual`` against ``expected``; on failure say which of type, shape, dtype or value is off."""
+    if isinstance(expected, torch.Tensor) and not isinstance(actual, torch.Tensor):
+        raise AssertionError(f"{name}: expected a torch.Tensor, got {type(actual).__name__}")
+    a, e = _as_tensor(actual), _as_tensor(expected)
+    if a.shape != e.shape:
+        raise AssertionError(f"{name}: shape {tuple(a.shape)}, expected {tuple(e.shape)}")
+    if check_dtype and a.dtype != e.dtype:
+        raise AssertionError(f"{name}: dtype {a.dtype}, expected {e.dtype}")
+    default_rtol, default_atol = TOLERANCES.get(e.dtype, (0.0, 0.0))
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    a64, e64 = a.detach().cpu().to(torch.float64), e.detach().cpu().to(torch.float64)
+    if a.dtype.is_floating_point or e.dtype.is_floating_point:
+        nan_mismatch = torch.isnan(a64) != torch.isnan(e64)
+        if not equal_nan:
+            nan_mismatch |= torch.isnan(e64)
+        same_inf = torch.isinf(e64) & (a64 == e64)
+        err = (a64 - e64).abs()
+        err = torch.where(same_inf | (torch.isnan(a64) & torch.isnan(e64)), torch.zeros_like(err), err)
+        bad = nan_mismatch | (err > atol + rtol * e64.abs()) | torch.isnan(err)
+    else:
+        err = (a64 - e64).abs()
+        bad = a64 != e64
+    n_bad = int(bad.sum())
+    if n_bad == 0:
+        return
+    flat = int(torch.nonzero(bad.reshape(-1))[0])
+    where = tuple(int(i) for i in np.unravel_index(flat, tuple(a.shape))) if a.dim() else ()
+    worst = err.reshape(-1)[bad.reshape(-1)].max().item()
+    raise AssertionError(
+        f"{name}: {n_bad} of {a.numel()} element(s) differ (shape {tuple(a.shape)}, dtype {a.dtype}); "
+        f"first at index {where}: got {a64.reshape(-1)[flat].item()!r}, expected {e64.reshape(-1)[flat].item()!r}; "
+        f"max abs error {worst:.3g} (rtol={rtol:g}, atol={atol:g})"
+    )
+
+
+def assert_equal(actual: Any, expected: Any, *, name: str = "result") -> None:
+    """Check exact equality of plain values (numbers, strings, tuples, dicts), naming both on failure."""
+    if isinstance(expected, float) and isinstance(actual, (int, float)):
+        if math.isnan(expected) and math.isnan(actual):
+            return
+    if actual != expected:
+        raise AssertionError(f"{name}: got {actual!r}, expected {expected!r}")
+
+
+def assert_raises(exc_type: type[BaseException], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> BaseException:
+    """Check that ``fn(*args, **kwargs)`` raises ``exc_type``; return the exception."""
+    try:
+        fn(*args, **kwargs)
+    except NotImplementedError:
+        if exc_type is not NotImplementedError:
+            raise NotDoneYet(f"{_name(fn)} is not implemented yet") from None
+        raise
+    except exc_type as exc:
+        return exc
+    except Exception as exc:
+        raise AssertionError(
+            f"{_name(fn)}{_show_args(args, kwargs)} raised {type(exc).__name__}: {exc}; "
+            f"expected {exc_type.__name__}"
+        ) from exc
+    raise AssertionError(f"{_name(fn)}{_show_args(args, kwargs)} returned normally; expected it to raise {exc_type.__name__}")
+
+
+def is_implemented(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """True unless calling ``fn`` on these arguments raises NotImplementedError (an untouched exercise)."""
+    try:
+        fn(*args, **kwargs)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a student's function; an untouched exercise fails with a clear 'not done yet' message."""
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError:
+        raise NotDoneYet(f"{_name(fn)} is not implemented yet: replace `raise NotImplementedError()` with your code") from None
+
+
+def use_or_fallback(student_fn: Callable[..., Any], reference_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a student's function so that, while it raises NotImplementedError, the reference runs instead (and says so once)."""
+    told = False
+
+    @functools.wraps(student_fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nonlocal told
+        try:
+            return student_fn(*args, **kwargs)
+        except NotImplementedError:
+            if not told:
+                print(
+                    f"note: {_name(student_fn)} is not done yet; using the reference "
+                    f"{reference_fn.__module__}.{reference_fn.__qualname__} instead"
+                )
+                told = True
+            return reference_fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", repr(fn))
+
+
+def _show_args(args: tuple, kwargs: dict) -> str:
+    parts = [_short(a) for a in args] + [f"{k}={_short(v)}" for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
+
+
+def _short(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype})"
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
