@@ -58,13 +58,12 @@ def assert_close(
     atol = default_atol if atol is None else atol
     a64, e64 = a.detach().cpu().to(torch.float64), e.detach().cpu().to(torch.float64)
     if a.dtype.is_floating_point or e.dtype.is_floating_point:
-        nan_mismatch = torch.isnan(a64) != torch.isnan(e64)
+        both_nan = torch.isnan(a64) & torch.isnan(e64)
+        exact = torch.isinf(e64) | torch.isinf(a64)  # infinities must match exactly, sign included
+        err = torch.where(both_nan | (exact & (a64 == e64)), torch.zeros_like(a64), (a64 - e64).abs())
+        bad = (err > atol + rtol * e64.abs()) | torch.isnan(err) | (exact & (a64 != e64))
         if not equal_nan:
-            nan_mismatch |= torch.isnan(e64)
-        same_inf = torch.isinf(e64) & (a64 == e64)
-        err = (a64 - e64).abs()
-        err = torch.where(same_inf | (torch.isnan(a64) & torch.isnan(e64)), torch.zeros_like(err), err)
-        bad = nan_mismatch | (err > atol + rtol * e64.abs()) | torch.isnan(err)
+            bad |= both_nan
     else:
         err = (a64 - e64).abs()
         bad = a64 != e64
