@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing torch $(TORCH_VERSION) ($(TORCH_BUILD) build) into $(VENV)"
 ifeq ($(TORCH_BUILD),cpu)
-	$(PY) -m pip install -q --no-index "torch==$(TORCH_VERSION)" 2>/dev/null \
+	$(PY) -m pip install -q --no-index --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null \
 	  || $(PY) -m pip install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple
 else
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
