@@ -45,7 +45,7 @@ endif
 	@touch $@
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(DISPLAY),,--no-browser) $(LAB_ARGS)
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # CPU tier: unit tests, release sync, grading end to end, and every solution notebook under nbval.
 test: $(STAMP)
