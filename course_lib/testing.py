@@ -30,9 +30,7 @@ class NotDoneYet(AssertionError):
 def _as_tensor(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
-    if isinstance(x, np.ndarray):
-        return torch.from_numpy(x)
-    return torch.as_tensor(x)
+    return torch.from_numpy(np.asarray(x))  # Python floats stay float64, as NumPy keeps them
 
 
 def assert_close(

@@ -94,3 +94,9 @@ def test_use_or_fallback_says_once_when_it_uses_the_reference(capsys: pytest.Cap
     done = testing.use_or_fallback(_ok, _bad)
     assert done(1) == 2
     assert capsys.readouterr().out == ""
+
+
+def test_python_floats_are_compared_in_double_precision() -> None:
+    testing.assert_close(0.1 + 0.2, 0.3, rtol=1e-15, atol=0)
+    with pytest.raises(AssertionError, match="dtype torch.float64"):
+        testing.assert_close(1.0, 1.0 + 1e-9, rtol=1e-12, atol=0)
