@@ -1,0 +1,207 @@
+"""The command line: ``python -m autograder release | grade | validate | pin``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .config import DEFAULT_CELL_TIMEOUT, DEFAULT_SUBMISSION_TIMEOUT
+from .course import Course, UnknownChapterError, default_course_root
+
+RELEASE_HELP = """\
+Generate the student notebooks notebooks/NN_name/NN_name.ipynb from the instructor
+notebooks solutions/NN_name/NN_name.ipynb with nbgrader generate_assignment: solutions
+become `raise NotImplementedError()`, hidden tests are removed, outputs are cleared.
+Only files whose bytes change are written, so a second run changes nothing. Releasing
+every chapter also removes released chapter folders whose source is gone.
+
+exit status: 0 released; 1 nbgrader failed (nothing was written); 2 usage error
+(for example an unknown chapter)."""
+
+GRADE_HELP = """\
+Grade every SUBMISSIONS/<student_id>/<chapter>/<chapter>.ipynb with nbgrader autograde,
+each in its own scratch course directory outside the repository, several at a time.
+The tests that run are the instructor's from solutions/, hidden tests included, even
+when a student edited or deleted a test cell.
+
+writes:
+  OUT/grades.csv         student_id,chapter,score,max_score,status,message
+                         (a row per student and chapter folder, sorted)
+  OUT/grades_detail.csv  student_id,chapter,grade_id,score,max_score (a row per graded cell)
+  OUT/feedback/<student_id>/<chapter>.html
+
+status: ok (graded, whatever the score); unknown_chapter (no such chapter in
+solutions/); missing_notebook (no <chapter>.ipynb in the folder; the message lists what
+is there); invalid_notebook (not a readable notebook); timeout (stopped after --timeout
+seconds); error (autograde failed, e.g. the kernel died; the message has the last log
+line). A submission that is not ok scores 0 and gets no feedback file.
+
+exit status: 0 every submission graded (status ok); 1 at least one submission not ok;
+2 usage error (SUBMISSIONS missing or holding no submission, unknown --chapter)."""
+
+VALIDATE_HELP = """\
+Run a notebook the way the grader will: top to bottom in a fresh kernel (working
+directory: the notebook's folder), then score each test cell as nbgrader does. A test
+cell fails when it raises or when it writes to stderr (nbgrader scores stderr output as
+a failure, after dropping known-harmless library warnings). Prints the failing grade_ids
+with the last line of their error, and the points obtained. A student notebook holds only
+the visible tests: the grader also runs the hidden ones.
+
+exit status: 0 all tests passed; 1 a test failed or the notebook could not be run;
+2 usage error."""
+
+
+PIN_HELP = """\
+Execute each chapter's solution notebook and record the output of the cells whose
+source starts with `# NBVAL_CHECK_OUTPUT` in tests/pinned_outputs/<chapter>.json.
+Solution notebooks are stored without outputs; the test suite's nbval run compares
+those cells with what is recorded here. Pin only output that is the same on a CPU
+and on a GPU.
+
+exit status: 0 recorded; 1 a notebook failed to run; 2 usage error."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m autograder``."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--course-root", type=Path, default=None, metavar="DIR",
+        help="course root holding solutions/ and notebooks/ (default: the project root)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="python -m autograder",
+        description="Release, grade and validate the course's nbgrader notebooks.",
+        epilog="Run `python -m autograder COMMAND --help` for a command's options and exit status.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    release = commands.add_parser("release", parents=[common], formatter_class=fmt, description=RELEASE_HELP,
+                                  help="generate notebooks/ from solutions/")
+    release.add_argument("chapters", nargs="*", metavar="CHAPTER", help="chapter folder names (default: every chapter)")
+    release.add_argument("--out", type=Path, default=None, metavar="DIR", help="release into DIR instead of notebooks/")
+    release.set_defaults(handler=_release, parser=release)
+
+    grade = commands.add_parser("grade", parents=[common], formatter_class=fmt, description=GRADE_HELP,
+                                help="grade a folder of submissions")
+    grade.add_argument("submissions", type=Path, metavar="SUBMISSIONS",
+                       help="folder of <student_id>/<chapter>/<chapter>.ipynb")
+    grade.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder for the grade tables and feedback")
+    grade.add_argument("--chapter", default=None, metavar="C", help="grade only chapter C")
+    grade.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
+                       help="submissions graded at once (default: number of CPUs)")
+    grade.add_argument("--timeout", type=_positive_float, default=DEFAULT_SUBMISSION_TIMEOUT, metavar="SECONDS",
+                       help="time limit per submission; it is killed after (default: %(default)s)")
+    grade.add_argument("--cell-timeout", type=_positive_int, default=DEFAULT_CELL_TIMEOUT, metavar="SECONDS",
+                       help="time limit per cell; the cell is interrupted and scores 0 (default: %(default)s)")
+    grade.set_defaults(handler=_grade, parser=grade)
+
+    validate = commands.add_parser("validate", parents=[common], formatter_class=fmt, description=VALIDATE_HELP,
+                                   help="run a notebook's tests the way the grader will")
+    validate.add_argument("notebook", type=Path, metavar="NOTEBOOK", help="the notebook to check")
+    validate.add_argument("--cell-timeout", type=_positive_int, default=DEFAULT_CELL_TIMEOUT, metavar="SECONDS",
+                          help="time limit per cell (default: %(default)s)")
+    validate.set_defaults(handler=_validate, parser=validate)
+
+    pin = commands.add_parser("pin", parents=[common], formatter_class=fmt, description=PIN_HELP,
+                              help="record the expected output of cells marked # NBVAL_CHECK_OUTPUT")
+    pin.add_argument("chapters", nargs="*", metavar="CHAPTER", help="chapter folder names (default: every chapter)")
+    pin.set_defaults(handler=_pin, parser=pin)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; return the exit status (argparse exits with 2 on a usage error)."""
+    args = build_parser().parse_args(argv)
+    course = Course((args.course_root or default_course_root()).resolve())
+    return args.handler(args, course)
+
+
+def _release(args: argparse.Namespace, course: Course) -> int:
+    """``release``: generate the chapters, then report each file written."""
+    from .release import ReleaseError, release
+
+    try:
+        changes = release(course, args.chapters, args.out)
+    except UnknownChapterError as exc:
+        args.parser.error(str(exc))
+    except ReleaseError as exc:
+        print(f"error: {exc}\nnothing was written.", file=sys.stderr)
+        return 1
+    for line in changes:
+        print(line)
+    print(f"released {', '.join(course.resolve(args.chapters)) or 'no chapters'}: {len(changes)} file(s) changed")
+    return 0
+
+
+def _grade(args: argparse.Namespace, course: Course) -> int:
+    """``grade``: check the arguments, then grade every submission."""
+    from .grade import find_submissions, grade_submissions
+
+    if not args.submissions.is_dir():
+        args.parser.error(f"SUBMISSIONS folder not found: {args.submissions}")
+    if args.chapter is not None:
+        try:
+            course.resolve([args.chapter])
+        except UnknownChapterError as exc:
+            args.parser.error(str(exc))
+    if not find_submissions(args.submissions, args.chapter):
+        args.parser.error(f"no submissions in {args.submissions} (expected <student_id>/<chapter>/<chapter>.ipynb)")
+    grades = grade_submissions(
+        course, args.submissions, args.out, chapter=args.chapter, jobs=args.jobs,
+        timeout=args.timeout, cell_timeout=args.cell_timeout,
+    )
+    return 0 if all(g.status == "ok" for g in grades) else 1
+
+
+def _validate(args: argparse.Namespace, course: Course) -> int:
+    """``validate``: run the notebook and report its test cells."""
+    from .validate import run_tests, summarise
+
+    if not args.notebook.is_file():
+        args.parser.error(f"notebook not found: {args.notebook}")
+    print(f"running {args.notebook} in a fresh kernel ...", flush=True)
+    try:
+        outcomes = run_tests(args.notebook, course.root, args.cell_timeout)
+    except Exception as exc:  # the kernel died or could not start: report it, do not crash
+        print(f"error: could not run {args.notebook}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    report, passed = summarise(outcomes)
+    print(report)
+    return 0 if passed else 1
+
+
+def _pin(args: argparse.Namespace, course: Course) -> int:
+    """``pin``: record the pinned outputs of each chapter."""
+    from nbclient.exceptions import CellExecutionError
+
+    from .pin import pin_chapter
+
+    try:
+        chapters = course.resolve(args.chapters)
+    except UnknownChapterError as exc:
+        args.parser.error(str(exc))
+    for chapter in chapters:
+        try:
+            print(f"pinned {pin_chapter(course.root, chapter).relative_to(course.root)}", flush=True)
+        except CellExecutionError as exc:
+            print(f"error: {chapter} failed to run: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer above zero."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a number above zero."""
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
