@@ -1,0 +1,282 @@
+"""Chapter 02 (memory math): what training keeps in memory, counted by formula and measured.
+
+Four things fill memory while a model trains: its parameters, their gradients, the optimizer's
+states, and the activations that the forward pass saves for the backward pass (plus short-lived
+temporary buffers). This module has the formulas (bytes per parameter in each precision regime,
+ZeRO's per-GPU sharding, the transformer activation formula of Korthikanti et al. 2022) and the
+measurements that check them (autograd's saved tensors, module outputs, optimizer state).
+
+    from course_lib import memory_math as mm
+    mm.training_memory(7e9, "mixed_adam").total / 1e9                  # 112.0 (GB)
+    mm.zero_memory_per_gpu(7.5e9, stage=3, world_size=64).total / 1e9  # 1.875
+    mm.measure_saved_activation_bytes(model, x)                        # what autograd keeps
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# Number of fp32 buffers each optimizer keeps per parameter: momentum has a velocity,
+# Adam a first and a second moment (AdamW stores the same two).
+OPTIMIZER_STATES: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+@dataclass(frozen=True)
+class Regime:
+    """How a model is trained, as far as memory is concerned.
+
+    ``optimizer`` is a key of OPTIMIZER_STATES. ``mixed_precision`` keeps 16-bit weights and
+    gradients for the forward and backward pass and an fp32 master copy of the weights in the
+    optimizer. ``fp32_grads`` (mixed precision only) accumulates gradients in fp32 instead.
+    """
+
+    name: str
+    optimizer: str = "adam"
+    mixed_precision: bool = False
+    fp32_grads: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; expected one of {sorted(OPTIMIZER_STATES)}")
+
+
+REGIMES: dict[str, Regime] = {
+    r.name: r
+    for r in (
+        Regime("fp32_sgd", "sgd"),
+        Regime("fp32_momentum", "momentum"),
+        Regime("fp32_adam", "adam"),
+        Regime("mixed_adam", "adam", mixed_precision=True),
+        Regime("mixed_adam_fp32_grads", "adam", mixed_precision=True, fp32_grads=True),
+    )
+}
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes held by parameters, gradients, optimizer states and saved activations; ``total`` adds them."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float = 0
+
+    @property
+    def total(self) -> float:
+        """Sum of the four parts, in bytes."""
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def _regime(regime: Regime | str) -> Regime:
+    if isinstance(regime, Regime):
+        return regime
+    if regime not in REGIMES:
+        raise ValueError(f"unknown regime {regime!r}; expected a Regime or one of {sorted(REGIMES)}")
+    return REGIMES[regime]
+
+
+# ---- bytes per parameter, training memory, ZeRO --------------------------------------------------
+
+def bytes_per_param(regime: Regime | str) -> MemoryBreakdown:
+    """Bytes of weight, gradient and optimizer state that one parameter costs in ``regime``.
+
+    fp32 training: 4 + 4 + 4 per optimizer state. Mixed precision: a 2-byte weight, a 2-byte
+    gradient (4 with ``fp32_grads``), and in the optimizer a 4-byte fp32 master weight plus
+    4 per state: 2 + 2 + 12 = 16 for Adam (ZeRO paper, Rajbhandari et al. 2020), 18 with fp32 gradients.
+    """
+    r = _regime(regime)
+    states = 4 * OPTIMIZER_STATES[r.optimizer]
+    if not r.mixed_precision:
+        return MemoryBreakdown(params=4, grads=4, optimizer=states)
+    return MemoryBreakdown(params=2, grads=4 if r.fp32_grads else 2, optimizer=4 + states)
+
+
+def training_memory(num_params: float, regime: Regime | str, activation_bytes: float = 0) -> MemoryBreakdown:
+    """Bytes to train ``num_params`` parameters in ``regime`` on one device, with ``activation_bytes`` of saved activations."""
+    if num_params < 0 or activation_bytes < 0:
+        raise ValueError(f"need num_params >= 0 and activation_bytes >= 0, got {num_params}, {activation_bytes}")
+    per = bytes_per_param(regime)
+    return MemoryBreakdown(
+        params=per.params * num_params,
+        grads=per.grads * num_params,
+        optimizer=per.optimizer * num_params,
+        activations=activation_bytes,
+    )
+
+
+def zero_memory_per_gpu(
+    num_params: float, stage: int, world_size: int, regime: Regime | str = "mixed_adam"
+) -> MemoryBreakdown:
+    """Model-state bytes per GPU under ZeRO ``stage`` (0 = plain data parallel) over ``world_size`` GPUs.
+
+    Stage 1 shards the optimizer states, stage 2 also the gradients, stage 3 also the
+    parameters (Rajbhandari et al. 2020). With mixed-precision Adam (K = 12 bytes of optimizer
+    state) that is (2+2+K)P, (2+2)P + KP/N, 2P + (2+K)P/N and (2+2+K)P/N bytes.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if world_size < 1 or num_params < 0:
+        raise ValueError(f"need world_size >= 1 and num_params >= 0, got {world_size}, {num_params}")
+    per = bytes_per_param(regime)
+    shard = [1.0, 1.0, 1.0]  # fraction of params, grads, optimizer states each GPU holds
+    for i in range(3 - stage, 3):
+        shard[i] = 1.0 / world_size
+    return MemoryBreakdown(
+        params=num_params * per.params * shard[0],
+        grads=num_params * per.grads * shard[1],
+        optimizer=num_params * per.optimizer * shard[2],
+    )
+
+
+def transformer_activation_bytes(
+    s: int, b: int, h: int, a: int, L: int = 1, *, attention_scores: bool = True, dropout: bool = True
+) -> int:
+    """Activation bytes a transformer of ``L`` layers saves, 16-bit values and 1-byte dropout masks.
+
+    Korthikanti et al. (2022): s b h (34 + 5 a s / h) bytes per layer for sequence length s,
+    micro-batch b, width h and a heads. 34 s b h are the linear-size tensors (32 without the two
+    dropout masks); 5 a s^2 b are softmax output, dropout mask and dropout output of the attention
+    scores (2 a s^2 b without dropout). ``attention_scores=False`` models kernels that never store
+    the s x s scores (FlashAttention, PyTorch's SDPA) or recompute them (selective recomputation).
+    """
+    if min(s, b, h, a, L) < 0:
+        raise ValueError(f"sizes must not be negative, got s={s}, b={b}, h={h}, a={a}, L={L}")
+    linear = (34 if dropout else 32) * s * b * h
+    scores = (5 if dropout else 2) * a * s * s * b if attention_scores else 0
+    return L * (linear + scores)
+
+
+# ---- why activations are kept --------------------------------------------------------------------
+
+def linear_weight_grad(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """dL/dW of y = x W^T + b from the layer's input x (..., in) and dL/dy (..., out): grad_out^T @ x, shape (out, in)."""
+    return grad_out.reshape(-1, grad_out.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+
+
+# ---- measuring what is kept ----------------------------------------------------------------------
+
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """Identifies the memory a tensor lives in: views and the tensor they view share one key."""
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        seen[storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _parameter_keys(model: Callable[..., Any]) -> set[tuple[str, int]]:
+    if isinstance(model, nn.Module):
+        return {storage_key(p) for p in model.parameters()}
+    return set()
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor that autograd saved for the backward pass, as the pack hook saw it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    storage_bytes: int
+    storage: tuple[str, int]
+    is_parameter: bool
+    produced_by: str  # the grad_fn that made it; "leaf" (an input or parameter that requires grad) or "no grad"
+
+
+def saved_tensors(model: Callable[..., Any], *inputs: Any, **kwargs: Any) -> list[SavedTensor]:
+    """Run ``model(*inputs, **kwargs)`` once and list every tensor autograd saves for backward, in order."""
+    params = _parameter_keys(model)
+    found: list[SavedTensor] = []
+    keep: list[torch.Tensor] = []  # holds each storage alive, so that no address is reused meanwhile
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        keep.append(t)
+        key = storage_key(t)
+        origin = t.grad_fn.name() if t.grad_fn is not None else ("leaf" if t.requires_grad else "no grad")
+        found.append(SavedTensor(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), key, key in params, origin))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*inputs, **kwargs)
+    del out, keep
+    return found
+
+
+def measure_saved_activation_bytes(model: Callable[..., Any], *inputs: Any) -> int:
+    """Bytes of the distinct storages autograd saves in one forward pass of ``model``, parameters excluded."""
+    distinct = {r.storage: r.storage_bytes for r in saved_tensors(model, *inputs) if not r.is_parameter}
+    return sum(distinct.values())
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors_in(item)
+
+
+def forward_hook_activation_bytes(model: nn.Module, *inputs: Any) -> int:
+    """Rough activation count: bytes of every tensor that a leaf module returns, summed without de-duplication."""
+    total = 0
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        nonlocal total
+        total += sum(t.numel() * t.element_size() for t in _tensors_in(output))
+
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    handles = [m.register_forward_hook(hook) for m in leaves]
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return total
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct tensors an optimizer keeps in its state (empty until its first step)."""
+    return _distinct_storage_bytes(t for state in optimizer.state.values() for t in _tensors_in(state))
+
+
+def measured_training_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryBreakdown:
+    """Bytes that ``model``'s parameters, their ``.grad`` tensors and ``optimizer``'s state occupy right now."""
+    params = list(model.parameters())
+    return MemoryBreakdown(
+        params=_distinct_storage_bytes(params),
+        grads=_distinct_storage_bytes(p.grad for p in params if p.grad is not None),
+        optimizer=0 if optimizer is None else optimizer_state_bytes(optimizer),
+    )
+
+
+def cuda_forward_memory(model: Callable[..., Any], *inputs: Any) -> tuple[int, int]:
+    """On a CUDA device: (bytes still allocated after ``model(*inputs)``, peak bytes during it), both above the start.
+
+    The first number holds the saved activations and the outputs; the second adds the
+    temporary buffers that lived only inside the forward pass. One warm-up call runs first, so
+    that one-time allocations (such as cuBLAS's workspace) are not counted.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_forward_memory needs a CUDA device")
+    warm = model(*inputs)
+    del warm
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = model(*inputs)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return held, peak
