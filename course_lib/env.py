@@ -26,6 +26,10 @@ DEVICE: torch.device = torch.device("cuda" if HAS_GPU else "cpu")
 if not HAS_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# torch.profiler's backend (Kineto) writes "profiler_start/stop" lines to the process's stderr on
+# every profile, which nbgrader would score as a failing test cell. Level 6 silences its own log;
+# it is read when the first profile starts, so it is set here, before any chapter profiles.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 SEED: int = 0
 
 # Noise that is not about the student's code. nbgrader scores a test cell that writes to

@@ -1,15 +1,29 @@
-"""Timing that tells the truth: warm-up, device synchronisation, repeats, median and spread."""
+"""Timing that tells the truth, reading profiles, and the roofline model (chapter 03).
+
+- ``benchmark`` / ``Timing``: warm-up, device synchronisation, repeats, median and spread.
+- ``time_calls`` and ``SimulatedDevice``: a timer with an injected clock, and a fake asynchronous
+  device to test it on.
+- ``top_ops``, ``load_trace``, ``annotation_ranges``, ``memory_timeline``: read what
+  ``torch.profiler`` recorded (its ``key_averages()`` and its Chrome trace).
+- ``*_flops_bytes``, ``arithmetic_intensity``, ``machine_balance``, ``achieved_rates``,
+  ``classify_bound``, ``roofline_point``: the roofline model from shapes and dtypes.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
+from course_lib import env  # noqa: F401  (quiets the profiler's log before any profile starts)
+from course_lib.orientation import GPUSpec, roofline
 
 @dataclass(frozen=True)
 class Timing:
@@ -87,3 +101,283 @@ def benchmark(
             fn(*args, **kwargs)
             times.append(time.perf_counter() - t0)
     return Timing(times)
+
+
+# --------------------------------------------------------------------------------------------
+# A timer with an injected clock, and a simulated asynchronous device to check it against
+# --------------------------------------------------------------------------------------------
+
+
+class SimulatedDevice:
+    """A toy asynchronous accelerator with a fake clock, so that timing code can be checked exactly.
+
+    ``launch(seconds)`` queues a kernel of that duration and returns after ``launch_overhead``
+    seconds of host time, as a CUDA launch does; the kernel starts once the device is free.
+    ``sync()`` moves the host clock on until all queued work is done (``torch.cuda.synchronize``);
+    ``host_work(seconds)`` spends host time (Python, the dispatcher); ``clock()`` reads the host
+    clock (``time.perf_counter``). Nothing sleeps: all time is simulated.
+    """
+
+    def __init__(self, launch_overhead: float = 5e-6) -> None:
+        if launch_overhead < 0:
+            raise ValueError(f"launch_overhead must not be negative, got {launch_overhead}")
+        self.launch_overhead = launch_overhead
+        self.now = 0.0
+        self.busy_until = 0.0
+        self.launches = 0
+        self.syncs = 0
+
+    def clock(self) -> float:
+        """The host's current time, in seconds."""
+        return self.now
+
+    def launch(self, seconds: float) -> None:
+        """Queue a kernel that runs for ``seconds`` once the device is free; return after the launch overhead."""
+        if seconds < 0:
+            raise ValueError(f"a kernel cannot take negative time, got {seconds}")
+        self.now += self.launch_overhead
+        self.busy_until = max(self.busy_until, self.now) + seconds
+        self.launches += 1
+
+    def host_work(self, seconds: float) -> None:
+        """Spend ``seconds`` on the host without touching the device."""
+        self.now += seconds
+
+    def sync(self) -> None:
+        """Wait until every queued kernel has finished."""
+        self.now = max(self.now, self.busy_until)
+        self.syncs += 1
+
+
+def time_calls(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 3,
+    repeat: int = 10,
+    clock: Callable[[], float] = time.perf_counter,
+    sync: Callable[[], Any] | None = None,
+) -> list[float]:
+    """Seconds taken by each of ``repeat`` timed calls of ``fn()``, after ``warmup`` untimed ones.
+
+    ``clock()`` reads the time in seconds. ``sync()``, when given, waits for queued device work:
+    it is called once after the warm-up (so that the warm-up's work does not leak into the first
+    timing) and after each timed call, before the clock is read. ValueError unless repeat >= 1
+    and warmup >= 0.
+    """
+    if repeat < 1 or warmup < 0:
+        raise ValueError(f"need repeat >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
+    for _ in range(warmup):
+        fn()
+    if sync is not None:
+        sync()
+    times = []
+    for _ in range(repeat):
+        start = clock()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(clock() - start)
+    return times
+
+
+# --------------------------------------------------------------------------------------------
+# Reading what torch.profiler recorded
+# --------------------------------------------------------------------------------------------
+
+
+def _read(row: Any, by: str) -> float:
+    # torch renamed the profiler's "cuda" fields to "device" ones; the old names warn on access.
+    device_name = by.replace("cuda", "device")
+    if device_name != by and hasattr(row, device_name):
+        return getattr(row, device_name)
+    return getattr(row, by)
+
+
+def top_ops(source: Any, by: str = "self_cpu_time_total", k: int = 5) -> list[tuple[str, float]]:
+    """The ``k`` rows of a profiler summary with the largest ``by``, as (name, value) pairs, largest first.
+
+    ``source`` is a ``torch.profiler.profile`` (its ``key_averages()`` is read), the EventList
+    that ``key_averages()`` returns, or any iterable of objects with a ``key`` and an attribute
+    ``by`` (times are in microseconds, memory in bytes, ``count`` in calls). Old names such as
+    ``self_cuda_time_total`` are read as the newer ``self_device_time_total``. Equal values
+    are ordered by name. ValueError unless k >= 1.
+    """
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    # A profiler has key_averages(); so has an EventList (a list), which is already the summary here.
+    rows = source if isinstance(source, list) or not hasattr(source, "key_averages") else source.key_averages()
+    pairs = [(row.key, _read(row, by)) for row in rows]
+    pairs.sort(key=lambda pair: (-pair[1], pair[0]))
+    return pairs[:k]
+
+
+def load_trace(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The events of a Chrome trace written by ``prof.export_chrome_trace(path)``."""
+    return json.loads(Path(path).read_text())["traceEvents"]
+
+
+def annotation_ranges(events: Iterable[dict[str, Any]]) -> list[tuple[str, float, float]]:
+    """The host-side ``record_function`` ranges of a trace as (name, start_us, duration_us), in start order."""
+    ranges = [
+        (e["name"], float(e["ts"]), float(e["dur"]))
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("ph") == "X"
+    ]
+    return sorted(ranges, key=lambda r: r[1])
+
+
+def memory_timeline(
+    events: Iterable[dict[str, Any]], device: Literal["cpu", "cuda"] = "cpu"
+) -> tuple[list[float], list[int]]:
+    """Allocated bytes over time on one device, from a trace recorded with ``profile_memory=True``.
+
+    Returns ``(times_us, allocated_bytes)`` in time order: after each allocation or free the
+    profiler saw, the bytes allocated on ``device`` counted from the start of the profile
+    ("Total Allocated" of the trace's ``[memory]`` events; Device Type 0 is the CPU, 1 CUDA).
+    """
+    device_type = {"cpu": 0, "cuda": 1}[device]
+    points = sorted(
+        (float(e["ts"]), int(e["args"]["Total Allocated"]))
+        for e in events
+        if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type
+    )
+    return [t for t, _ in points], [b for _, b in points]
+
+
+# --------------------------------------------------------------------------------------------
+# The roofline model: FLOPs and bytes from shapes and dtypes, rates, and bounds
+# --------------------------------------------------------------------------------------------
+
+# NVIDIA A100 Tensor Core GPU datasheet (80 GB SXM: 2,039 GB/s, 312 TFLOP/s dense bf16,
+# 19.5 TFLOP/s fp32) and the NVIDIA A100 Tensor Core GPU Architecture whitepaper (108 SMs,
+# 40 MB L2, up to 164 KB of shared memory and a 256 KB register file per SM).
+A100_SXM = GPUSpec(
+    name="A100 SXM 80GB",
+    sms=108,
+    hbm_bytes=80e9,
+    hbm_bytes_per_s=2.039e12,
+    bf16_dense_flops=312e12,
+    fp32_flops=19.5e12,
+    l2_bytes=40 * 2**20,
+    smem_per_sm_bytes=164 * 2**10,
+    registers_per_sm_bytes=256 * 2**10,
+)
+
+
+def matmul_flops_bytes(m: int, n: int, k: int, dtype: torch.dtype, batch: int = 1) -> tuple[int, int]:
+    """FLOPs and minimum bytes moved by ``batch`` products (m x k) @ (k x n) in ``dtype``.
+
+    Each of the m n outputs needs k multiplications and k additions: 2 m n k FLOPs. At best each
+    operand is read once and the result written once: (m k + k n + m n) elements.
+    """
+    return 2 * batch * m * n * k, batch * (m * k + k * n + m * n) * dtype.itemsize
+
+
+def elementwise_flops_bytes(
+    numel: int, dtype: torch.dtype, n_inputs: int = 2, flops_per_element: int = 1
+) -> tuple[int, int]:
+    """FLOPs and bytes of an elementwise op over ``numel`` elements: ``n_inputs`` tensors read, one written."""
+    return flops_per_element * numel, (n_inputs + 1) * numel * dtype.itemsize
+
+
+def softmax_flops_bytes(rows: int, cols: int, dtype: torch.dtype) -> tuple[int, int]:
+    """FLOPs and bytes of a row-wise softmax of a (rows, cols) tensor done in one pass over memory.
+
+    Five operations per element (max, subtract, exp, sum, divide; an exp counts as one); the
+    input read once and the output written once.
+    """
+    return 5 * rows * cols, 2 * rows * cols * dtype.itemsize
+
+
+def attention_flops_bytes(
+    batch: int,
+    heads: int,
+    seq: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool = False,
+    fused: bool = True,
+) -> tuple[int, int]:
+    """FLOPs and bytes of the forward pass of scaled dot-product attention, softmax(Q K^T / sqrt(d)) V.
+
+    Q, K, V and the output O are (batch, heads, seq, head_dim). Per (batch, head) the scores
+    that count are seq * seq, or seq * (seq + 1) / 2 with a causal mask; each costs 2 head_dim
+    FLOPs in Q K^T and 2 head_dim in P V (softmax's few operations per score are not counted).
+    A fused kernel (FlashAttention) reads Q, K, V and writes O once. A plain implementation also
+    writes the whole seq x seq score matrix, reads it for the softmax, writes the probabilities
+    and reads them for P V: 4 seq^2 more elements per (batch, head), masked entries included.
+    """
+    pairs = seq * (seq + 1) // 2 if causal else seq * seq
+    flops = 4 * head_dim * pairs * batch * heads
+    elements = 4 * batch * heads * seq * head_dim
+    if not fused:
+        elements += 4 * batch * heads * seq * seq
+    return flops, elements * dtype.itemsize
+
+
+def arithmetic_intensity(flops: float, num_bytes: float) -> float:
+    """FLOPs per byte moved; ValueError unless num_bytes > 0 and flops >= 0."""
+    if not num_bytes > 0 or flops < 0:
+        raise ValueError(f"need num_bytes > 0 and flops >= 0, got flops={flops}, num_bytes={num_bytes}")
+    return flops / num_bytes
+
+
+def machine_balance(flops_per_s: float, bytes_per_s: float) -> float:
+    """The ridge point of a device's roofline: FLOPs it can do per byte its memory delivers."""
+    if not (flops_per_s > 0 and bytes_per_s > 0):
+        raise ValueError(f"rates must be positive, got flops_per_s={flops_per_s}, bytes_per_s={bytes_per_s}")
+    return flops_per_s / bytes_per_s
+
+
+def peak_flops(spec: GPUSpec, dtype: torch.dtype) -> float:
+    """A GPU's datasheet peak for ``dtype``: dense tensor-core bf16 (also fp16) or plain fp32."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return spec.bf16_dense_flops
+    if dtype == torch.float32:
+        return spec.fp32_flops
+    raise ValueError(f"no peak for {dtype} in a GPUSpec (it lists bf16/fp16 and fp32)")
+
+
+def achieved_rates(flops: float, num_bytes: float, seconds: float) -> tuple[float, float]:
+    """(FLOP/s, bytes/s) an operation reached; ValueError unless seconds > 0 and both amounts >= 0."""
+    if not seconds > 0:
+        raise ValueError(f"seconds must be positive, got {seconds}")
+    if flops < 0 or num_bytes < 0:
+        raise ValueError(f"amounts must not be negative, got flops={flops}, num_bytes={num_bytes}")
+    return flops / seconds, num_bytes / seconds
+
+
+def classify_bound(
+    flops: float, num_bytes: float, flops_per_s: float, bytes_per_s: float
+) -> Literal["compute", "memory"]:
+    """"memory" when moving the bytes takes longer than the arithmetic on this device, else "compute"."""
+    return roofline(flops, num_bytes, flops_per_s, bytes_per_s)[1]
+
+
+def roofline_point(
+    flops: float, num_bytes: float, seconds: float, peak_flops_per_s: float, peak_bytes_per_s: float
+) -> dict[str, Any]:
+    """Place a measured operation on a device's roofline, as a dict with exactly these keys.
+
+    intensity               flops / num_bytes (FLOP per byte)
+    balance                 peak_flops_per_s / peak_bytes_per_s, the ridge point (FLOP per byte)
+    bound                   "memory" if intensity < balance, else "compute"
+    attainable_flops_per_s  the roof at this intensity: min(peak_flops_per_s, intensity * peak_bytes_per_s)
+    achieved_flops_per_s    flops / seconds
+    fraction_of_roof        the roofline's lower bound on the time, max(flops / peak_flops_per_s,
+                            num_bytes / peak_bytes_per_s), divided by seconds (1.0 = on the roof)
+
+    ValueError unless num_bytes > 0, seconds > 0, flops >= 0 and both peaks > 0.
+    """
+    if not (num_bytes > 0 and seconds > 0 and flops >= 0):
+        raise ValueError(f"need num_bytes > 0, seconds > 0, flops >= 0; got {flops}, {num_bytes}, {seconds}")
+    bound_s, _ = roofline(flops, num_bytes, peak_flops_per_s, peak_bytes_per_s)
+    intensity, balance = flops / num_bytes, peak_flops_per_s / peak_bytes_per_s
+    return {
+        "intensity": intensity,
+        "balance": balance,
+        "bound": "memory" if intensity < balance else "compute",
+        "attainable_flops_per_s": min(peak_flops_per_s, intensity * peak_bytes_per_s),
+        "achieved_flops_per_s": flops / seconds,
+        "fraction_of_roof": bound_s / seconds,
+    }

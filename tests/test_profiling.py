@@ -1,11 +1,37 @@
-"""benchmark() warms up, repeats and summarises; it synchronises on CUDA."""
+"""benchmark() warms up, repeats and summarises; it synchronises on CUDA. The chapter 03 helpers:
+time_calls on a simulated device, reading profiles and traces, and the roofline arithmetic."""
 
+import math
+import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from course_lib.profiling import Timing, benchmark
+from course_lib.orientation import H200_SXM
+from course_lib.profiling import (
+    A100_SXM,
+    SimulatedDevice,
+    Timing,
+    achieved_rates,
+    annotation_ranges,
+    arithmetic_intensity,
+    attention_flops_bytes,
+    benchmark,
+    classify_bound,
+    elementwise_flops_bytes,
+    load_trace,
+    machine_balance,
+    matmul_flops_bytes,
+    memory_timeline,
+    peak_flops,
+    roofline_point,
+    softmax_flops_bytes,
+    time_calls,
+    top_ops,
+)
 
 
 def test_counts_warmup_and_repeats() -> None:
@@ -39,3 +65,180 @@ def test_cuda_timing_waits_for_the_kernel() -> None:
     timing = benchmark(torch.mm, a, a, warmup=2, repeat=5)
     # A 4096^3 matmul is 137 GFLOP: no GPU does it in under 50 us, so a launch-only time would show.
     assert timing.median > 50e-6
+
+
+# ---- time_calls on a simulated asynchronous device -------------------------------------------
+
+
+def test_simulated_device_queues_work() -> None:
+    dev = SimulatedDevice(launch_overhead=1e-5)
+    dev.launch(1e-3)
+    dev.launch(2e-3)
+    assert dev.clock() == pytest.approx(2e-5)  # the host only paid for two launches
+    dev.sync()
+    assert dev.clock() == pytest.approx(1e-5 + 3e-3)  # the kernels ran back to back
+    dev.host_work(1.0)
+    dev.launch(1e-3)  # the device was idle: this kernel starts at its launch
+    dev.sync()
+    assert dev.clock() == pytest.approx(1e-5 + 3e-3 + 1.0 + 1e-5 + 1e-3)
+    assert (dev.launches, dev.syncs) == (3, 2)
+    with pytest.raises(ValueError):
+        dev.launch(-1.0)
+
+
+def test_time_calls_with_sync_measures_the_kernels() -> None:
+    dev = SimulatedDevice(launch_overhead=1e-5)
+    durations = iter([5.0, 5.0, 1e-3, 2e-3, 3e-3])  # two slow warm-up calls, then three timed ones
+    times = time_calls(lambda: dev.launch(next(durations)), warmup=2, repeat=3, clock=dev.clock, sync=dev.sync)
+    assert times == pytest.approx([1e-5 + 1e-3, 1e-5 + 2e-3, 1e-5 + 3e-3])
+    assert dev.launches == 5
+
+
+def test_time_calls_without_sync_measures_launches() -> None:
+    dev = SimulatedDevice(launch_overhead=1e-5)
+    times = time_calls(lambda: dev.launch(1e-3), warmup=0, repeat=4, clock=dev.clock)
+    assert times == pytest.approx([1e-5] * 4)
+
+
+def test_time_calls_with_perf_counter_and_sleep() -> None:
+    times = time_calls(lambda: time.sleep(0.005), warmup=1, repeat=3)
+    assert len(times) == 3 and all(0.004 < t < 0.5 for t in times)
+
+
+def test_time_calls_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="repeat >= 1"):
+        time_calls(lambda: None, repeat=0)
+    with pytest.raises(ValueError, match="warmup >= 0"):
+        time_calls(lambda: None, warmup=-1)
+
+
+# ---- reading profiles and traces ------------------------------------------------------------
+
+
+def _rows(**values: float) -> list[SimpleNamespace]:
+    return [SimpleNamespace(key=name, self_cpu_time_total=v, count=1) for name, v in values.items()]
+
+
+def test_top_ops_on_synthetic_rows() -> None:
+    rows = _rows(**{"aten::mm": 50.0, "aten::add": 10.0, "aten::gelu": 50.0, "aten::copy_": 1.0})
+    assert top_ops(rows, k=3) == [("aten::gelu", 50.0), ("aten::mm", 50.0), ("aten::add", 10.0)]
+    assert top_ops(rows, k=10)[-1] == ("aten::copy_", 1.0)
+    assert top_ops(rows, by="count", k=1)[0][1] == 1
+    with pytest.raises(ValueError):
+        top_ops(rows, k=0)
+
+
+def test_top_ops_reads_new_device_names_for_old_cuda_names() -> None:
+    rows = [SimpleNamespace(key="k", self_device_time_total=3.0)]
+    assert top_ops(rows, by="self_cuda_time_total") == [("k", 3.0)]
+
+
+def _small_profile(tmp_path) -> tuple:
+    a = torch.randn(128, 128)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("work"):
+            b = a @ a
+            c = b + 1
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    return prof, path, c
+
+
+def test_top_ops_on_a_real_profile(tmp_path, recwarn) -> None:
+    prof, _, _ = _small_profile(tmp_path)
+    by_total = top_ops(prof, by="cpu_time_total", k=50)
+    names = [name for name, _ in by_total]
+    assert "aten::mm" in names and "work" in names
+    assert by_total[0][0] == "work"  # the range encloses everything else
+    assert top_ops(prof.key_averages(), k=50) == top_ops(prof, k=50)
+    assert top_ops(prof, by="self_cuda_time_total", k=1)[0][1] == 0  # no CUDA here, and no warning
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+
+
+def test_trace_ranges_and_memory(tmp_path) -> None:
+    _, path, _ = _small_profile(tmp_path)
+    events = load_trace(path)
+    ranges = annotation_ranges(events)
+    assert [name for name, _, _ in ranges] == ["work"] and ranges[0][2] > 0
+    times, allocated = memory_timeline(events, "cpu")
+    assert len(times) == len(allocated) >= 2 and times == sorted(times)
+    assert max(allocated) >= 2 * 128 * 128 * 4  # b and c were alive together
+    assert memory_timeline(events, "cuda") == ([], [])
+
+
+def test_kineto_is_quiet() -> None:
+    assert os.environ.get("KINETO_LOG_LEVEL") is not None
+
+
+# ---- roofline arithmetic --------------------------------------------------------------------
+
+
+def test_flops_bytes_formulas() -> None:
+    assert matmul_flops_bytes(2, 3, 4, torch.float32) == (48, (8 + 12 + 6) * 4)
+    assert matmul_flops_bytes(2, 3, 4, torch.bfloat16, batch=5) == (240, 5 * 26 * 2)
+    assert elementwise_flops_bytes(1000, torch.float32) == (1000, 12_000)
+    assert elementwise_flops_bytes(10, torch.float16, n_inputs=1, flops_per_element=8) == (80, 40)
+    assert softmax_flops_bytes(4, 8, torch.float32) == (160, 256)
+
+
+def test_attention_flops_bytes() -> None:
+    b, h, s, d = 2, 3, 8, 16
+    flops, nbytes = attention_flops_bytes(b, h, s, d, torch.bfloat16)
+    assert flops == 2 * matmul_flops_bytes(s, s, d, torch.bfloat16, batch=b * h)[0]
+    assert nbytes == 4 * b * h * s * d * 2
+    assert attention_flops_bytes(b, h, s, d, torch.bfloat16, causal=True)[0] == 4 * d * (s * (s + 1) // 2) * b * h
+    unfused = attention_flops_bytes(b, h, s, d, torch.float32, causal=True, fused=False)[1]
+    assert unfused == (4 * b * h * s * d + 4 * b * h * s * s) * 4
+    # Fused attention at GPT-2 small's shape is far above an H200's ridge; unfused sits below it.
+    f, by = attention_flops_bytes(8, 12, 1024, 64, torch.bfloat16)
+    f2, by2 = attention_flops_bytes(8, 12, 1024, 64, torch.bfloat16, fused=False)
+    ridge = machine_balance(H200_SXM.bf16_dense_flops, H200_SXM.hbm_bytes_per_s)
+    assert arithmetic_intensity(f, by) > ridge > arithmetic_intensity(f2, by2)
+
+
+def test_intensity_balance_and_peaks() -> None:
+    assert arithmetic_intensity(12.0, 4.0) == 3.0
+    assert arithmetic_intensity(0.0, 4.0) == 0.0
+    with pytest.raises(ValueError):
+        arithmetic_intensity(1.0, 0.0)
+    assert machine_balance(A100_SXM.bf16_dense_flops, A100_SXM.hbm_bytes_per_s) == pytest.approx(153.0, rel=1e-3)
+    with pytest.raises(ValueError):
+        machine_balance(1.0, 0.0)
+    assert peak_flops(A100_SXM, torch.bfloat16) == 312e12 == peak_flops(A100_SXM, torch.float16)
+    assert peak_flops(H200_SXM, torch.float32) == 67e12
+    with pytest.raises(ValueError):
+        peak_flops(A100_SXM, torch.int8)
+
+
+def test_achieved_rates() -> None:
+    assert achieved_rates(2e9, 4e9, 0.5) == (4e9, 8e9)
+    assert achieved_rates(0, 0, 1.0) == (0.0, 0.0)
+    for bad in [(1.0, 1.0, 0.0), (1.0, 1.0, -1.0), (-1.0, 1.0, 1.0), (1.0, -1.0, 1.0)]:
+        with pytest.raises(ValueError):
+            achieved_rates(*bad)
+
+
+def test_classify_bound() -> None:
+    peak, bw = H200_SXM.bf16_dense_flops, H200_SXM.hbm_bytes_per_s
+    assert classify_bound(*elementwise_flops_bytes(2**20, torch.bfloat16), peak, bw) == "memory"
+    assert classify_bound(*matmul_flops_bytes(4096, 4096, 4096, torch.bfloat16), peak, bw) == "compute"
+    assert classify_bound(10.0, 10.0, 1.0, 1.0) == "compute"  # a tie counts as compute
+
+
+def test_roofline_point() -> None:
+    point = roofline_point(1e12, 1e9, 0.01, 100e12, 1e12)  # intensity 1000 > balance 100
+    assert list(point) == [
+        "intensity", "balance", "bound", "attainable_flops_per_s", "achieved_flops_per_s", "fraction_of_roof",
+    ]
+    assert point["intensity"] == 1000 and point["balance"] == 100 and point["bound"] == "compute"
+    assert point["attainable_flops_per_s"] == 100e12 and point["achieved_flops_per_s"] == 1e14
+    assert point["fraction_of_roof"] == pytest.approx(1.0)
+    copy = roofline_point(0.0, 2e9, 0.004, 100e12, 1e12)  # a copy: no FLOPs, half the bandwidth
+    assert copy["bound"] == "memory" and copy["attainable_flops_per_s"] == 0.0
+    assert copy["fraction_of_roof"] == pytest.approx(0.5)
+    tie = roofline_point(100.0, 1.0, 1.0, 100.0, 1.0)
+    assert tie["bound"] == "compute" and math.isclose(tie["fraction_of_roof"], 1.0)
+    bad_arguments = [(1.0, 0.0, 1.0, 1.0, 1.0), (1.0, 1.0, 0.0, 1.0, 1.0), (-1.0, 1.0, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 0.0, 1.0)]
+    for bad in bad_arguments:
+        with pytest.raises(ValueError):
+            roofline_point(*bad)
