@@ -58,6 +58,10 @@ test-gpu: $(STAMP)
 release: $(STAMP)
 	$(PY) -m autograder release
 
+# Benchmark suite (on a CUDA machine): our kernels against PyTorch's, written to benchmarks/results/.
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
 audit:
 	python3 ../shared/tools/course-audit .
 

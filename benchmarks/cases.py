@@ -1,0 +1,402 @@
+"""The measurements: each case times our Triton kernel and PyTorch's reference on the same input.
+
+Every time is the median of ``triton.testing.do_bench`` (imported when a case runs: it needs a
+CUDA GPU). Our kernel's output is checked against the reference before it is timed, and any
+exception from our side (a missing module, a compile error, a wrong result) becomes that row's
+error while the reference is still recorded. ``run`` goes through the cases, prints progress,
+and frees GPU memory between them.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.report import Result, Target
+from course_lib import env
+
+DEVICE = "cuda"  # what the suite measures; the CPU tests point it at "cpu" to check the plumbing
+MAX_ERROR_CHARS = 300
+ADAM_HPARAMS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The shapes of one run, and how long ``do_bench`` warms up and repeats (milliseconds)."""
+
+    copy_numel: int
+    softmax: tuple[int, int]
+    bias_gelu: tuple[int, int]
+    adam: tuple[int, int, int]  # tensors, rows, cols
+    matmul: tuple[int, ...]  # square sizes M = N = K
+    attention: tuple[int, int, int, int]  # batch, heads, sequence, head dim
+    add_numel: int
+    transpose: tuple[int, int]
+    warmup_ms: int
+    rep_ms: int
+
+
+FULL = Sizes(
+    copy_numel=2**28,
+    softmax=(8192, 8192),
+    bias_gelu=(8192, 8192),
+    adam=(16, 4096, 4096),
+    matmul=(4096, 8192),
+    attention=(4, 32, 4096, 128),
+    add_numel=2**28,
+    transpose=(8192, 8192),
+    warmup_ms=25,
+    rep_ms=100,
+)
+QUICK = Sizes(
+    copy_numel=2**24,
+    softmax=(1024, 1024),
+    bias_gelu=(1024, 1024),
+    adam=(4, 512, 512),
+    matmul=(512, 1024),
+    attention=(1, 4, 512, 128),
+    add_numel=2**22,
+    transpose=(1024, 1024),
+    warmup_ms=5,
+    rep_ms=20,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing, rates, checks
+# --------------------------------------------------------------------------------------------
+
+
+def _ms(fn: Callable[[], Any], sizes: Sizes, grad_to_none: list[torch.Tensor] | None = None) -> float:
+    """Median milliseconds per call of ``fn`` by ``triton.testing.do_bench`` (which flushes L2 between calls)."""
+    from triton.testing import do_bench
+
+    return float(
+        do_bench(fn, warmup=sizes.warmup_ms, rep=sizes.rep_ms, grad_to_none=grad_to_none, return_mode="median")
+    )
+
+
+def _gbps(num_bytes: float, ms: float) -> float:
+    return num_bytes / (ms * 1e-3) / 1e9
+
+
+def _tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as one short line for the report."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def _kernel(module: str, name: str) -> Callable[..., Any]:
+    """``name`` from ``course_lib.kernels.<module>``, imported only when a case asks for it."""
+    return getattr(importlib.import_module(f"course_lib.kernels.{module}"), name)
+
+
+def _check_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str = "output") -> None:
+    """Raise unless max |actual - expected| <= tol x max |expected| (shapes must agree)."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what} has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+    scale = expected.float().abs().max().item() or 1.0
+    error = (actual.float() - expected.float()).abs().max().item() / scale
+    if not error <= tol:  # NaN fails too
+        raise AssertionError(f"{what} differs from the reference: max error {error:.2e} x max|ref| > {tol:g}")
+
+
+def _ours(result: Result, measure: Callable[[], float]) -> None:
+    """Set ``result.ours`` from ``measure()``, or its error when that raises."""
+    try:
+        result.ours = measure()
+    except Exception as exc:
+        result.error = _describe(exc)
+
+
+def _extra(result: Result, label: str, measure: Callable[[], float]) -> None:
+    """Add ``measure()`` to ``result.context`` as ``label``, or a note saying why it failed."""
+    try:
+        result.context[label] = measure()
+    except Exception as exc:
+        result.notes.append(f"{label} failed: {_describe(exc)}")
+
+
+# --------------------------------------------------------------------------------------------
+# The cases: each yields its rows
+# --------------------------------------------------------------------------------------------
+
+
+def copy_gbps(sizes: Sizes) -> float:
+    """Device-to-device bandwidth of ``dst.copy_(src)`` on a large fp32 buffer, bytes read + written."""
+    src = torch.randn(sizes.copy_numel, device=DEVICE)
+    dst = torch.empty_like(src)
+    return _gbps(2 * src.numel() * src.element_size(), _ms(lambda: dst.copy_(src), sizes))
+
+
+def softmax(sizes: Sizes) -> Iterator[Result]:
+    """Row softmax, fp32."""
+    x = torch.randn(*sizes.softmax, device=DEVICE)
+    num_bytes = 2 * x.numel() * x.element_size()
+    result = Result(
+        "softmax", list(x.shape), "float32", "GB/s", "torch.softmax(x, dim=-1)",
+        targets=[Target("ratio", 1.0), Target("copy_fraction", 0.8)],
+        notes=["GB/s counts the input read and the output written once: 2 x rows x cols x 4 bytes"],
+    )
+    result.reference = _gbps(num_bytes, _ms(lambda: torch.softmax(x, dim=-1), sizes))
+
+    def measure() -> float:
+        ours = _kernel("fusion", "softmax")
+        _check_close(ours(x), torch.softmax(x, dim=-1), 1e-4)
+        return _gbps(num_bytes, _ms(lambda: ours(x), sizes))
+
+    _ours(result, measure)
+    yield result
+
+
+def _bias_gelu_eager(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x + bias)
+
+
+def bias_gelu(sizes: Sizes) -> Iterator[Result]:
+    """Fused bias + GELU, bf16; torch.compile of the eager expression as context."""
+    rows, cols = sizes.bias_gelu
+    x = torch.randn(rows, cols, device=DEVICE, dtype=torch.bfloat16)
+    bias = torch.randn(cols, device=DEVICE, dtype=torch.bfloat16)
+    num_bytes = (2 * x.numel() + bias.numel()) * x.element_size()
+    result = Result(
+        "bias_gelu", [rows, cols], "bfloat16", "GB/s", "eager F.gelu(x + bias)",
+        targets=[Target("copy_fraction", 0.8)],
+        notes=["GB/s counts x and bias read and the output written once; the reference GELU is exact (erf)"],
+    )
+    result.reference = _gbps(num_bytes, _ms(lambda: _bias_gelu_eager(x, bias), sizes))
+
+    def measure_compiled() -> float:
+        compiled = torch.compile(_bias_gelu_eager)
+        compiled(x, bias)
+        return _gbps(num_bytes, _ms(lambda: compiled(x, bias), sizes))
+
+    def measure() -> float:
+        ours = _kernel("fusion", "bias_gelu")
+        _check_close(ours(x, bias), _bias_gelu_eager(x, bias), 2e-2)
+        return _gbps(num_bytes, _ms(lambda: ours(x, bias), sizes))
+
+    _extra(result, "torch.compile", measure_compiled)
+    torch.compiler.reset()
+    _ours(result, measure)
+    yield result
+
+
+def adam(sizes: Sizes) -> Iterator[Result]:
+    """One optimizer step over many fp32 tensors: FlatAdam against torch.optim.Adam (fused, foreach, for-loop)."""
+    count, rows, cols = sizes.adam
+    params = [torch.nn.Parameter(torch.randn(rows, cols, device=DEVICE)) for _ in range(count)]
+    grads = [torch.randn_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    result = Result(
+        "adam", [count, rows, cols], "float32", "ms", "torch.optim.Adam(fused=True).step()",
+        targets=[Target("time_factor", 1.1)],
+        notes=["time of one step() over all tensors; gradients set to random values once, before timing"],
+    )
+    fused = torch.optim.Adam(params, fused=True, **ADAM_HPARAMS)
+
+    def measure() -> float:
+        mine = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        flat = _kernel("fusion", "FlatAdam")(mine, **ADAM_HPARAMS)
+        for p, g in zip(mine, grads):
+            if p.grad is None:
+                p.grad = g.clone()
+            else:  # FlatAdam may already hold the gradients as views of one flat buffer
+                p.grad.copy_(g)
+        flat.step()
+        fused.step()
+        for i, (p, q) in enumerate(zip(mine, params)):
+            _check_close(p.detach(), q.detach(), 1e-5, f"parameter {i} after one step")
+        return _ms(flat.step, sizes)
+
+    _ours(result, measure)
+    result.reference = _ms(fused.step, sizes)
+    del fused
+    for label, kwargs in (("foreach", {"foreach": True}), ("for-loop", {"foreach": False})):
+        _extra(result, label, lambda: _ms(torch.optim.Adam(params, **kwargs, **ADAM_HPARAMS).step, sizes))
+    yield result
+
+
+def matmul(sizes: Sizes) -> Iterator[Result]:
+    """Square bf16 matmuls against torch.matmul (cuBLAS)."""
+    for n in sizes.matmul:
+        a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+        flops = 2 * n**3
+        result = Result(
+            f"matmul_{n}", [n, n, n], "bfloat16", "TFLOP/s", "torch.matmul, cuBLAS",
+            targets=[Target("ratio", 0.8)],
+            notes=["shape is M, N, K; TFLOP/s = 2 M N K / time"],
+        )
+        result.reference = _tflops(flops, _ms(lambda: torch.matmul(a, b), sizes))
+
+        def measure() -> float:
+            ours = _kernel("tiling_coalescing", "matmul")
+            _check_close(ours(a, b), torch.matmul(a, b), 2e-2)
+            return _tflops(flops, _ms(lambda: ours(a, b), sizes))
+
+        _ours(result, measure)
+        yield result
+        del a, b
+
+
+def _backward_ms(
+    forward: Callable[[], torch.Tensor], grad_out: torch.Tensor, inputs: list[torch.Tensor], sizes: Sizes
+) -> float:
+    """Milliseconds of the backward pass alone: one forward, then backward(retain_graph=True) repeated."""
+    out = forward()
+    return _ms(lambda: out.backward(grad_out, retain_graph=True), sizes, grad_to_none=inputs)
+
+
+def attention(sizes: Sizes) -> Iterator[Result]:
+    """FlashAttention forward and backward, bf16, non-causal and causal, against SDPA's flash backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batch, heads, seq, dim = sizes.attention
+    q, k, v = (
+        torch.randn(batch, heads, seq, dim, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    inputs = [q, k, v]
+    grad_out = torch.randn_like(q)
+    flops_note = "FLOPs: forward 4 B H N^2 D, halved when causal; backward 2.5 x forward"
+    notes = {
+        "fwd": [flops_note, "q, k, v require grad in the forward timing, as in training"],
+        "bwd": [flops_note, "backward timed alone: one forward, then backward(retain_graph=True) repeated, "
+                "q/k/v grads reset to None before each call"],
+    }
+    for causal in (False, True):
+        flops = 4 * batch * heads * seq * seq * dim / (2 if causal else 1)
+        suffix = "_causal" if causal else ""
+        fwd, bwd = (
+            Result(
+                f"attention_{part}{suffix}", [batch, heads, seq, dim], "bfloat16", "TFLOP/s",
+                "SDPA, flash backend", targets=[Target("ratio", ratio)], notes=notes[part],
+            )
+            for part, ratio in (("fwd", 0.8), ("bwd", 0.6))
+        )
+
+        def reference(causal: bool = causal) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            expected = reference()
+            expected_grads = torch.autograd.grad(expected, inputs, grad_out)
+            fwd.reference = _tflops(flops, _ms(reference, sizes))
+            bwd.reference = _tflops(2.5 * flops, _backward_ms(reference, grad_out, inputs, sizes))
+
+        def ours(causal: bool = causal) -> torch.Tensor:
+            return _kernel("flash_attention", "flash_attention")(q, k, v, causal=causal)
+
+        def measure_fwd() -> float:
+            _check_close(ours().detach(), expected.detach(), 2e-2)
+            return _tflops(flops, _ms(ours, sizes))
+
+        def measure_bwd() -> float:
+            grads = torch.autograd.grad(ours(), inputs, grad_out)
+            for name, got, want in zip("qkv", grads, expected_grads):
+                _check_close(got, want, 2e-2, f"d{name}")
+            return _tflops(2.5 * flops, _backward_ms(ours, grad_out, inputs, sizes))
+
+        _ours(fwd, measure_fwd)
+        _ours(bwd, measure_bwd)
+        del expected, expected_grads
+        yield fwd
+        yield bwd
+
+
+def add(sizes: Sizes) -> Iterator[Result]:
+    """Vector add, fp32 (context: the simplest memory-bound kernel)."""
+    x = torch.randn(sizes.add_numel, device=DEVICE)
+    y = torch.randn_like(x)
+    num_bytes = 3 * x.numel() * x.element_size()
+    result = Result(
+        "add", [x.numel()], "float32", "GB/s", "torch.add",
+        notes=["GB/s counts two inputs read and the output written once"],
+    )
+    result.reference = _gbps(num_bytes, _ms(lambda: torch.add(x, y), sizes))
+
+    def measure() -> float:
+        ours = _kernel("fusion", "add")
+        _check_close(ours(x, y), torch.add(x, y), 1e-6)
+        return _gbps(num_bytes, _ms(lambda: ours(x, y), sizes))
+
+    _ours(result, measure)
+    yield result
+
+
+def transpose(sizes: Sizes) -> Iterator[Result]:
+    """Out-of-place transpose, fp32: our coalesced kernel against our naive one; torch as context."""
+    x = torch.randn(*sizes.transpose, device=DEVICE)
+    num_bytes = 2 * x.numel() * x.element_size()
+    expected = x.t().contiguous()
+    result = Result(
+        "transpose", list(x.shape), "float32", "GB/s", "transpose(x, coalesced=False), our naive kernel",
+        notes=["ours is transpose(x, coalesced=True); GB/s counts the input read and the output written once"],
+    )
+    kernel = _kernel("tiling_coalescing", "transpose")
+    _check_close(kernel(x, coalesced=False), expected, 0.0, "naive transpose")
+    result.reference = _gbps(num_bytes, _ms(lambda: kernel(x, coalesced=False), sizes))
+    _extra(result, "torch x.t().contiguous()", lambda: _gbps(num_bytes, _ms(lambda: x.t().contiguous(), sizes)))
+
+    def measure() -> float:
+        _check_close(kernel(x, coalesced=True), expected, 0.0)
+        return _gbps(num_bytes, _ms(lambda: kernel(x, coalesced=True), sizes))
+
+    _ours(result, measure)
+    yield result
+
+
+CASES: dict[str, Callable[[Sizes], Iterator[Result]]] = {
+    "softmax": softmax,
+    "bias_gelu": bias_gelu,
+    "adam": adam,
+    "matmul": matmul,
+    "attention": attention,
+    "add": add,
+    "transpose": transpose,
+}
+
+
+def _free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run(
+    names: Sequence[str], sizes: Sizes, log: Callable[[str], None] = print
+) -> tuple[float, list[Result]]:
+    """Measure the copy bandwidth, then the cases ``names`` in order: (copy GB/s, every row).
+
+    A case that raises outside its own kernel's measurement (an out-of-memory input, a failing
+    reference) is recorded as one error row named after the case, and the next case runs.
+    """
+    env.seed_everything()
+    copy = copy_gbps(sizes)
+    _free_memory()
+    log(f"device-to-device copy: {copy:,.0f} GB/s")
+    results: list[Result] = []
+    for i, name in enumerate(names, 1):
+        log(f"[{i}/{len(names)}] {name}")
+        start = time.perf_counter()
+        try:
+            for result in CASES[name](sizes):
+                results.append(result)
+                log("    " + result.line(copy))
+        except Exception as exc:
+            results.append(Result(name, [], "", "ms", "", error=_describe(exc)))
+            log(f"    {name}: error: {results[-1].error}")
+        _free_memory()
+        log(f"    ({time.perf_counter() - start:.1f} s)")
+    return copy, results

@@ -1,0 +1,220 @@
+"""Tests of course_lib.kernels.fusion: tiny fp32 shapes under the interpreter on CPU, real shapes and dtypes on a GPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import env
+from course_lib.kernels import fusion
+from course_lib.testing import assert_close
+
+DEV = env.DEVICE
+GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Forward and gradient tolerances per dtype (outputs are rounded to the dtype; torch computes in fp32 too).
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _rand(*shape, dtype=torch.float32, device=DEV, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def _check_bias_gelu(shape, dtype, device):
+    rtol, atol = TOL[dtype]
+    x, b = _rand(*shape, dtype=dtype, device=device), _rand(shape[-1], dtype=dtype, device=device, seed=1)
+    dy = _rand(*shape, dtype=dtype, device=device, seed=2)
+    xa, ba = x.clone().requires_grad_(), b.clone().requires_grad_()
+    y = fusion.bias_gelu(xa, ba)
+    y.backward(dy)
+    # Reference in fp32, rounded to the dtype at the end (what the kernel does).
+    xr, br = x.float().requires_grad_(), b.float().requires_grad_()
+    yr = F.gelu(xr + br)
+    yr.backward(dy.float())
+    assert_close(y, yr.to(dtype), rtol=rtol, atol=atol, name="bias_gelu")
+    assert_close(xa.grad, xr.grad.to(dtype), rtol=rtol, atol=atol, name="bias_gelu dx")
+    rows = max(1, x.numel() // shape[-1])
+    assert_close(ba.grad, br.grad.to(dtype), rtol=rtol, atol=atol * rows ** 0.5, name="bias_gelu dbias")
+
+
+def _check_softmax(shape, dtype, device, block_size=None):
+    rtol, atol = TOL[dtype]
+    x = _rand(*shape, dtype=dtype, device=device, scale=3.0)
+    dy = _rand(*shape, dtype=dtype, device=device, seed=2)
+    xa = x.clone().requires_grad_()
+    y = fusion.softmax(xa, block_size=block_size)
+    y.backward(dy)
+    xr = x.float().requires_grad_()
+    yr = torch.softmax(xr, dim=-1)
+    yr.backward(dy.float())
+    assert_close(y, yr.to(dtype), rtol=rtol, atol=atol, name=f"softmax{shape} block_size={block_size}")
+    assert_close(xa.grad, xr.grad.to(dtype), rtol=rtol, atol=atol, name=f"softmax{shape} dx")
+
+
+def _check_flat_adam(decoupled, weight_decay, shapes, device, steps=20, atol=1e-6):
+    torch_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    ref = [_rand(*s, device=device, seed=i).requires_grad_() for i, s in enumerate(shapes)]
+    mine = [p.detach().clone().requires_grad_() for p in ref]
+    opt_ref = torch_cls(ref, lr=1e-2, weight_decay=weight_decay)
+    opt_mine = fusion.FlatAdam(mine, lr=1e-2, weight_decay=weight_decay, decoupled=decoupled)
+    for step in range(steps):
+        for i, (a, b) in enumerate(zip(ref, mine)):
+            g = _rand(*a.shape, device=device, seed=100 * step + i)
+            a.grad = g.clone()
+            b.grad.copy_(g)  # stays a view of the flat buffer
+        opt_ref.step()
+        opt_mine.step()
+    for i, (a, b) in enumerate(zip(ref, mine)):
+        assert_close(b.detach(), a.detach(), rtol=1e-5, atol=atol, name=f"{torch_cls.__name__} parameter {i}")
+
+
+# ---- interpreter (CPU) and any device: fp32, tiny shapes -----------------------------------
+
+@pytest.mark.parametrize("shape", [(1,), (37,), (5, 33), (2, 3, 7)])
+def test_add(shape):
+    x, y = _rand(*shape), _rand(*shape, seed=1)
+    assert_close(fusion.add(x, y), x + y)
+    assert_close(fusion.add(x, y, block_size=16), x + y)
+
+
+def test_add_rejects_mismatch():
+    with pytest.raises(ValueError):
+        fusion.add(torch.zeros(3), torch.zeros(4))
+    with pytest.raises(ValueError):
+        fusion.add(torch.zeros(4, 4).t(), torch.zeros(4, 4))
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 33), (3, 4, 20), (70, 3)])
+def test_bias_gelu_fp32(shape):
+    _check_bias_gelu(shape, torch.float32, DEV)
+
+
+def test_bias_gelu_rejects_bad_bias():
+    with pytest.raises(ValueError):
+        fusion.bias_gelu(torch.zeros(3, 4), torch.zeros(3))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 37), (2, 3, 64), (130, 5)])
+def test_softmax_single_block_fp32(shape):
+    _check_softmax(shape, torch.float32, DEV)
+
+
+@pytest.mark.parametrize("shape, block_size", [((3, 37), 8), ((2, 64), 16), ((2, 17), 16), ((1, 100), 32)])
+def test_softmax_online_fp32(shape, block_size):
+    _check_softmax(shape, torch.float32, DEV, block_size=block_size)
+
+
+@pytest.mark.parametrize("block_size", [None, 8])
+def test_softmax_masked_and_large_values(block_size):
+    x = _rand(3, 40, scale=50.0)
+    x[0, :24] = -float("inf")  # whole first blocks masked out, as with an attention mask
+    x[1, 5] = 1e4  # exp would overflow without subtracting the max
+    assert_close(fusion.softmax(x, block_size=block_size), torch.softmax(x, dim=-1))
+
+
+@pytest.mark.parametrize("shape, block_size", [((4, 37), None), ((3, 50), 16)])
+def test_softmax_backward_standalone(shape, block_size):
+    x = _rand(*shape).requires_grad_()
+    dy = _rand(*shape, seed=1)
+    y = torch.softmax(x, dim=-1)
+    (expected,) = torch.autograd.grad(y, x, dy)
+    assert_close(fusion.softmax_backward(y.detach(), dy, block_size=block_size), expected, atol=1e-7)
+
+
+def test_softmax_rejects_bad_block():
+    with pytest.raises(ValueError):
+        fusion.softmax(torch.zeros(2, 3), block_size=12)
+
+
+@pytest.mark.parametrize("decoupled, weight_decay", [(False, 0.0), (False, 0.1), (True, 0.1)])
+def test_adam_step_matches_torch(decoupled, weight_decay):
+    n = 300
+    p, g = _rand(n), _rand(n, seed=1)
+    m, v = _rand(n, seed=2) * 0.1, _rand(n, seed=3).abs() * 0.01
+    ref = p.clone().requires_grad_()
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = cls([ref], lr=1e-2, weight_decay=weight_decay, betas=(0.8, 0.99), eps=1e-6)
+    opt.state[ref] = {"step": torch.tensor(4.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    ref.grad = g.clone()
+    opt.step()
+    fusion.adam_step_(p, g, m, v, step=5, lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6,
+                      weight_decay=weight_decay, decoupled=decoupled, block_size=128)
+    assert_close(p, ref.detach(), rtol=1e-5, atol=1e-6, name="params")
+    assert_close(m, opt.state[ref]["exp_avg"], name="exp_avg")
+    assert_close(v, opt.state[ref]["exp_avg_sq"], name="exp_avg_sq")
+
+
+def test_adam_step_rejects_bad_input():
+    z = torch.zeros(4)
+    with pytest.raises(ValueError):
+        fusion.adam_step_(z, z.clone(), z.clone(), z.clone(), step=0, lr=1e-3)
+    with pytest.raises(ValueError):
+        fusion.adam_step_(z, torch.zeros(5), z.clone(), z.clone(), step=1, lr=1e-3)
+
+
+@pytest.mark.parametrize("decoupled, weight_decay", [(False, 0.0), (False, 0.05), (True, 0.05)])
+def test_flat_adam_matches_torch_over_20_steps(decoupled, weight_decay):
+    _check_flat_adam(decoupled, weight_decay, [(4, 3), (5,), (2, 3, 2)], DEV)
+
+
+def test_flat_adam_params_are_views_and_training_works():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(DEV)
+    ref_model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(DEV)
+    ref_model.load_state_dict(model.state_dict())
+    opt = fusion.FlatAdam(model.parameters(), lr=1e-2)
+    opt_ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    flat = opt.flat_groups[0]
+    assert flat.flat_param.numel() == sum(p.numel() for p in model.parameters())
+    for p in model.parameters():
+        assert p.untyped_storage().data_ptr() == flat.flat_param.untyped_storage().data_ptr()
+        assert p.grad.untyped_storage().data_ptr() == flat.flat_grad.untyped_storage().data_ptr()
+    x, y = _rand(16, 6), _rand(16, 1, seed=1)
+    for step in range(5):
+        for mod, o in ((model, opt), (ref_model, opt_ref)):
+            o.zero_grad(set_to_none=False)
+            F.mse_loss(mod(x), y).backward()
+            o.step()
+        if step == 2:
+            model.zero_grad(set_to_none=True)  # grads replaced from outside: gathered back at the next step
+            opt_ref.zero_grad(set_to_none=False)
+            F.mse_loss(model(x), y).backward()
+            F.mse_loss(ref_model(x), y).backward()
+            opt.step()
+            opt_ref.step()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_flat_adam_rejects_non_fp32():
+    with pytest.raises(ValueError):
+        fusion.FlatAdam([torch.zeros(3, dtype=torch.float64, requires_grad=True)])
+
+
+# ---- GPU: compiled kernels, real shapes, fp32 / fp16 / bf16 --------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", [(1000,), (1023, 4097), (4, 333, 769)])
+def test_add_gpu(dtype, shape):
+    x, y = _rand(*shape, dtype=dtype), _rand(*shape, dtype=dtype, seed=1)
+    assert_close(fusion.add(x, y), x + y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", [(8, 3), (1000, 1000), (2, 513, 3072), (4096, 1025)])
+def test_bias_gelu_gpu(dtype, shape):
+    _check_bias_gelu(shape, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape, block_size", [((1000, 3), None), ((513, 1000), None), ((64, 8192), None),
+                                                ((7, 30000), None), ((33, 5000), 1024), ((4, 100003), None)])
+def test_softmax_gpu(dtype, shape, block_size):
+    _check_softmax(shape, dtype, "cuda", block_size=block_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decoupled, weight_decay", [(False, 0.0), (False, 0.01), (True, 0.01)])
+def test_flat_adam_gpu(decoupled, weight_decay):
+    _check_flat_adam(decoupled, weight_decay, [(1000, 1000), (4097,), (3, 333, 7)], "cuda")
