@@ -217,4 +217,6 @@ def test_softmax_gpu(dtype, shape, block_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize("decoupled, weight_decay", [(False, 0.0), (False, 0.01), (True, 0.01)])
 def test_flat_adam_gpu(decoupled, weight_decay):
-    _check_flat_adam(decoupled, weight_decay, [(1000, 1000), (4097,), (3, 333, 7)], "cuda")
+    # On CUDA torch.optim takes its foreach path and the compiler contracts a*b+c into FMAs, so a
+    # few of a million values end 20 steps a couple of ulps of the step apart (seen: 1.1e-6).
+    _check_flat_adam(decoupled, weight_decay, [(1000, 1000), (4097,), (3, 333, 7)], "cuda", atol=5e-6)
