@@ -68,6 +68,11 @@ def nbgrader_config(
     if db_path is not None:
         c.CourseDirectory.db_url = f"sqlite:///{Path(db_path).resolve()}"
     c.ExecutePreprocessor.timeout = cell_timeout
+    # nbgrader scores a cell by the outputs it received. After a cell's reply, nbclient waits only
+    # 4 s for the rest of its output by default and then drops it silently, so on a loaded machine
+    # a late error could be lost and the test scored as passed: wait longer, and fail loudly.
+    c.ExecutePreprocessor.iopub_timeout = 60
+    c.ExecutePreprocessor.raise_on_iopub_timeout = True
     # The kernel's own start-up warnings (e.g. "running over TCP without encryption") are not about the notebook.
     c.ExecutePreprocessor.extra_arguments = ["--IPKernelApp.log_level=ERROR"]
     c.IgnorePattern.enabled = True

@@ -30,7 +30,7 @@ def _comparable(output: nbformat.NotebookNode) -> dict:
 def record_pinned_outputs(notebook_path: Path, timeout: int = 600) -> dict[str, list[dict]]:
     """Execute a solution notebook in its own folder and return the outputs of its pinned cells."""
     notebook = nbformat.read(notebook_path, as_version=4)
-    NotebookClient(notebook, timeout=timeout, kernel_name="python3",
+    NotebookClient(notebook, timeout=timeout, kernel_name="python3", iopub_timeout=60, raise_on_iopub_timeout=True,
                    resources={"metadata": {"path": str(notebook_path.parent)}}).execute()
     wanted = set(pinned_cell_ids(notebook))
     return {c.id: [_comparable(o) for o in c.outputs] for c in notebook.cells if c.id in wanted}

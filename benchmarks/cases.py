@@ -187,9 +187,11 @@ def bias_gelu(sizes: Sizes) -> Iterator[Result]:
         _check_close(ours(x, bias), _bias_gelu_eager(x, bias), 2e-2)
         return _gbps(num_bytes, _ms(lambda: ours(x, bias), sizes))
 
+    # Ours first: measured after torch.compile in the same process, the same kernel ran at
+    # 1,033 instead of 2,681 GB/s on the H200.
+    _ours(result, measure)
     _extra(result, "torch.compile", measure_compiled)
     torch.compiler.reset()
-    _ours(result, measure)
     yield result
 
 

@@ -44,11 +44,11 @@ HIDDEN_BLOCK = r"BEGIN HIDDEN TESTS[^\n]*\n(.*?)\n[^\n]*END HIDDEN TESTS"
 # A student cell that shows what the grader executes: before each cell runs, it prints a
 # fingerprint of that cell's hidden tests, which then shows in the feedback.
 SPY_CELL = f"""\
-import hashlib, re
+import hashlib, re, sys
 def _spy(info):
     found = re.search({HIDDEN_BLOCK!r}, info.raw_cell or "", re.S)
     if found:
-        print("SPY", hashlib.md5(found.group(1).encode()).hexdigest())
+        sys.stdout.write(f"SPY {{hashlib.md5(found.group(1).encode()).hexdigest()}}\\n")  # one write: one stream chunk
 get_ipython().events.register("pre_run_cell", _spy)
 """
 
@@ -244,7 +244,7 @@ def test_edited_or_deleted_test_cells_are_put_back(graded: Graded, chapter: str)
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_hidden_tests_run_at_grading(graded: Graded, chapter: str) -> None:
     fingerprints = hidden_fingerprints(nbformat.read(COURSE.source_notebook(chapter), as_version=4))
-    printed = set(re.findall(r"SPY ([0-9a-f]{32})", html_text(graded.out / "feedback" / "tamper" / f"{chapter}.html")))
+    printed = set(re.findall(r"SPY\s+([0-9a-f]{32})", html_text(graded.out / "feedback" / "tamper" / f"{chapter}.html")))
     missing = sorted(g for g, md5 in fingerprints.items() if md5 not in printed)
     assert fingerprints and not missing, f"the grader did not run the hidden tests of {missing}"
 
