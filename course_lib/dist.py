@@ -1,0 +1,464 @@
+"""Run distributed code from a notebook, a test or ``torchrun``, and compare it with a reference.
+
+``launch(fn, world_size)`` starts ``world_size`` processes, initialises the default
+process group in each (gloo on CPU, NCCL when there is a GPU per rank), calls ``fn``
+in every rank and returns the results ordered by rank:
+
+    from course_lib import dist as cdist
+    import torch.distributed as dist
+
+    def total(x):
+        t = torch.tensor([float(dist.get_rank() + x)])
+        dist.all_reduce(t)
+        return t
+
+    cdist.launch(total, 4, 1.0)   # [tensor([10.]), tensor([10.]), tensor([10.]), tensor([10.])]
+
+The same function runs on a multi-GPU host as a script:
+``if __name__ == "__main__": run_as_script(main)``, started with
+``torchrun --nproc_per_node 4 script.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.testing import assert_close
+
+__all__ = [
+    "RankError",
+    "assert_matches_reference",
+    "assert_same_across_ranks",
+    "backend_for",
+    "init_from_torchrun",
+    "launch",
+    "rank_device",
+    "run_as_script",
+]
+
+# After SIGTERM, how long a rank may take to exit before it is killed.
+_TERMINATE_GRACE_S = 2.0
+# After the first rank fails, how long to wait for the others' reports (to list them too).
+_FAILURE_GRACE_S = 0.5
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed; ``ranks`` lists them, the first to fail first, and the message carries its traceback."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not bind the port we picked: another process took it after we released it."""
+
+
+def backend_for(world_size: int) -> str:
+    """``"nccl"`` when there is a CUDA device for every rank, else ``"gloo"`` (saying why when a GPU exists)."""
+    if torch.cuda.is_available():
+        n_gpus = torch.cuda.device_count()
+        if n_gpus >= world_size:
+            return "nccl"
+        print(f"course_lib.dist: using gloo on CPU: {world_size} ranks but only {n_gpus} GPU(s)")
+    return "gloo"
+
+
+def rank_device() -> torch.device:
+    """This rank's device: its GPU under NCCL (``cuda:rank`` with one process per GPU), else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    """A TCP port that is free now (the OS picks it when we bind port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor inside (lists, tuples, dicts) moved to the CPU and detached."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple: rebuild field by field
+        return type(obj)(*(_to_cpu(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+class _RankStream(io.TextIOBase):
+    """A rank's stdout or stderr: whole lines go to the parent, which prints them prefixed with the rank."""
+
+    def __init__(self, conn: mpc.Connection, lock: threading.Lock, name: str, fd: int) -> None:
+        super().__init__()
+        self._conn, self._lock, self._name, self._fd = conn, lock, name, fd
+        self._partial = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd  # subprocesses and C code write to the real descriptor, as before
+
+    def write(self, text: str) -> int:
+        lines, newline, self._partial = (self._partial + text).rpartition("\n")
+        if newline:
+            self._send(lines + newline)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial:
+            self._send(self._partial + "\n")
+            self._partial = ""
+
+    def _send(self, text: str) -> None:
+        with self._lock:  # ranks may print from several threads; one message at a time on the pipe
+            self._conn.send(("out", self._name, text))
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when the parent dies, so no rank outlives a crashed notebook."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's cleanup is all there is
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    backend: str,
+    port: int,
+    timeout: float,
+    payload: Any,
+    conn: mpc.Connection,
+) -> None:
+    """The body of one rank: join the group, run the function, send back ("ok", result) or ("err", ...)."""
+    _die_with_parent()
+    lock = threading.Lock()
+    # Whole lines through the pipe: forked ranks writing straight to the shared stdout interleave
+    # mid-line, and a notebook shows them out of order with the parent's own output.
+    sys.stdout = _RankStream(conn, lock, "stdout", 1)
+    sys.stderr = _RankStream(conn, lock, "stderr", 2)
+    # Code that reads torchrun's variables (or calls init with env://) sees the same world.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    phase = "init"
+    try:
+        # Under spawn the function arrives as bytes (serialised by value); under fork it is the object itself.
+        fn, args, kwargs = pickle.loads(payload) if isinstance(payload, bytes) else payload
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        else:
+            # Ranks share the CPU cores: without this each rank starts one thread per core, and
+            # world_size ranks oversubscribe the machine (much slower than one thread each).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        phase = "run"
+        result = pickle.dumps(_to_cpu(fn(*args, **kwargs)))
+        phase = "destroy"
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        conn.send(("ok", result))
+    except BaseException as exc:  # noqa: BLE001 - everything, KeyboardInterrupt included, goes to the parent
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Drop this function's own frame: the student's code is what the traceback should show.
+        tb = exc.__traceback__.tb_next if phase == "run" and exc.__traceback__ else exc.__traceback__
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        # Report before destroying the group: the parent then stops the other ranks at once.
+        conn.send(("err", phase, f"raised {type(exc).__name__}: {exc}", text))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        conn.close()
+
+
+def _context_and_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """Pick fork when it is safe (keeps notebook-defined functions working), else spawn with ``fn`` pickled by value."""
+    if not torch.cuda.is_initialized():
+        return mp.get_context("fork"), (fn, args, kwargs)
+    # A forked child of a process that has initialised CUDA cannot use CUDA, so spawn; spawn imports
+    # the target by name, which fails for functions defined in a notebook cell, hence cloudpickle.
+    try:
+        import cloudpickle
+    except ImportError:
+        raise RuntimeError(
+            "launch: this process has already initialised CUDA, so ranks must be spawned, and spawning "
+            "needs the function pickled by value, which needs cloudpickle (pip install cloudpickle). "
+            "Otherwise define the function in a module (a .py file), or call launch() before anything "
+            "touches the GPU (restart the kernel and launch first)."
+        ) from None
+    return mp.get_context("spawn"), cloudpickle.dumps((fn, args, kwargs))
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float = 60.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` in ``world_size`` ranks of a fresh process group; return the results by rank.
+
+    ``backend`` None picks with ``backend_for``. Under NCCL rank r uses ``cuda:r``.
+    Ranks are forked, so functions defined in a notebook cell, lambdas and closures work.
+    If this process has already initialised CUDA, forking is unsafe: ranks are spawned
+    instead and ``fn`` is pickled by value with cloudpickle; without cloudpickle that
+    raises a RuntimeError asking to define ``fn`` in a module or to launch before
+    touching the GPU. Tensors in the results come back on the CPU.
+
+    Raises ``RankError`` (naming the rank(s), with the remote traceback) as soon as a rank
+    raises, after stopping the others, and ``TimeoutError`` naming the ranks still running
+    when the run takes longer than ``timeout`` seconds. Ranks never outlive the call.
+    """
+    if world_size < 1:
+        raise ValueError(f"launch: world_size must be at least 1, got {world_size}")
+    backend = backend or backend_for(world_size)
+    ctx, payload = _context_and_payload(fn, args, kwargs)
+    try:
+        return _launch_once(ctx, payload, world_size, backend, timeout)
+    except _PortTaken:
+        # The port was free when we picked it, but another process bound it before rank 0 did.
+        return _launch_once(ctx, payload, world_size, backend, timeout)
+
+
+def _launch_once(ctx: Any, payload: Any, world_size: int, backend: str, timeout: float) -> list[Any]:
+    """Start the ranks on a fresh port, collect their reports, and always clean up."""
+    port = _free_port()
+    procs: list[Any] = []
+    readers: list[mpc.Connection] = []
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_worker,
+                args=(rank, world_size, backend, port, timeout, payload, writer),
+                name=f"course_lib.dist rank {rank}",
+            )
+            readers.append(reader)
+            try:
+                proc.start()
+            finally:
+                writer.close()  # the child holds its own copy; ours would only keep the pipe open
+            procs.append(proc)
+        return _collect(procs, readers, timeout)
+    finally:
+        _stop(procs)
+        for reader in readers:
+            reader.close()
+
+
+def _collect(procs: list[Any], readers: list[mpc.Connection], timeout: float) -> list[Any]:
+    """Replay the ranks' output and wait for their reports; raise on the first failure or at the deadline."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    failures: dict[int, tuple[str, str, str]] = {}  # rank -> (phase, summary, traceback), in arrival order
+    pending = set(range(world_size))
+    give_up_at = deadline
+    while pending:
+        remaining = give_up_at - time.monotonic()
+        if remaining <= 0:
+            break
+        ready = mpc.wait([readers[r] for r in pending] + [procs[r].sentinel for r in pending], remaining)
+        for rank in sorted(pending):
+            message = _drain(rank, readers[rank])
+            if message is None and procs[rank].sentinel in ready:
+                procs[rank].join()
+                code = procs[rank].exitcode
+                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+                message = ("err", "run", f"{how} without reporting a result", "")
+            if message is None:
+                continue
+            pending.discard(rank)
+            if message[0] == "ok":
+                results[rank] = pickle.loads(message[1])
+            else:
+                failures[rank] = message[1:]
+                # The others are likely blocked in a collective: give them a moment to report, then stop them.
+                give_up_at = min(give_up_at, time.monotonic() + _FAILURE_GRACE_S)
+    if failures:
+        _raise_failures(failures, sorted(pending))
+    if pending:
+        raise TimeoutError(
+            f"launch: rank(s) {sorted(pending)} still running after {timeout:g} s (timeout={timeout:g}); "
+            "a rank may be waiting in a collective that another rank never called"
+        )
+    return [results[r] for r in range(world_size)]
+
+
+def _drain(rank: int, reader: mpc.Connection) -> tuple | None:
+    """Print the rank's pending output lines; return its final report if it has arrived."""
+    while reader.poll():
+        try:
+            message = reader.recv()
+        except EOFError:  # the rank exited; its sentinel tells how
+            return None
+        if message[0] != "out":
+            return message
+        stream = sys.stdout if message[1] == "stdout" else sys.stderr
+        stream.write("".join(f"[rank {rank}] {line}\n" for line in message[2].splitlines()))
+        stream.flush()
+    return None
+
+
+def _raise_failures(failures: dict[int, tuple[str, str, str]], still_running: list[int]) -> None:
+    """Raise ``RankError`` for the first failing rank, listing the others (or ``_PortTaken`` to retry)."""
+    if any(phase == "init" and "address already in use" in tb.lower() for phase, _, tb in failures.values()):
+        raise _PortTaken()
+    first = next(iter(failures))
+    _, summary, tb = failures[first]
+    lines = [f"rank {first} {summary}"]
+    others = [r for r in failures if r != first]
+    if others:
+        # Usually a consequence of the first (a peer's connection closed): one short line each.
+        lines.append("also failed: " + "; ".join(f"rank {r} {_shorten(failures[r][1])}" for r in others))
+    if still_running:
+        lines.append(f"stopped while still running: rank(s) {still_running}")
+    if tb:
+        lines.append(f"\n--- traceback from rank {first} ---\n{tb.rstrip()}")
+    raise RankError("\n".join(lines), list(failures))
+
+
+def _shorten(text: str, limit: int = 160) -> str:
+    """The first line of ``text``, cut to ``limit`` characters."""
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _stop(procs: list[Any]) -> None:
+    """Terminate, then kill, every rank still alive; join and release them all."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        proc.close()
+
+
+def assert_same_across_ranks(tensor: torch.Tensor, name: str = "tensor", *, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Check that every rank holds the same ``tensor`` (exactly, by default); name the first rank that differs."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, tensor.detach().cpu())
+    for rank in range(1, len(gathered)):
+        try:
+            assert_close(gathered[rank], gathered[0], rtol=rtol, atol=atol, name=name)
+        except AssertionError as err:
+            raise AssertionError(f"{name} differs between ranks: rank {rank} vs rank 0: {err}") from None
+
+
+def _param_name(name: str) -> str:
+    """A parameter's name without the prefixes that DDP (``module.``) and torch.compile (``_orig_mod.``) add."""
+    for prefix in ("module.", "_orig_mod."):
+        while name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def assert_matches_reference(
+    actual: torch.Tensor | Sequence[torch.Tensor] | nn.Module,
+    expected: torch.Tensor | Sequence[torch.Tensor] | nn.Module,
+    name: str = "result",
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> None:
+    """Check a parallel result against a single-process reference: tensors, lists of tensors, or two modules (parameters and gradients by name)."""
+    if isinstance(expected, nn.Module):
+        if not isinstance(actual, nn.Module):
+            raise AssertionError(f"{name}: expected an nn.Module, got {type(actual).__name__}")
+        got = {_param_name(n): p for n, p in actual.named_parameters()}
+        want = {_param_name(n): p for n, p in expected.named_parameters()}
+        if got.keys() != want.keys():
+            raise AssertionError(
+                f"{name}: parameter names differ; missing {sorted(want.keys() - got.keys())}, "
+                f"unexpected {sorted(got.keys() - want.keys())}"
+            )
+        for pname, ref in want.items():
+            assert_close(got[pname].detach().cpu(), ref.detach().cpu(), rtol=rtol, atol=atol, name=f"{name}.{pname}")
+        for pname, ref in want.items():
+            g, r = got[pname].grad, ref.grad
+            if g is None and r is None:
+                continue
+            if g is None or r is None:
+                which = "the result" if g is None else "the reference"
+                raise AssertionError(f"{name}.{pname}.grad: missing in {which} (present in the other)")
+            assert_close(g.cpu(), r.cpu(), rtol=rtol, atol=atol, name=f"{name}.{pname}.grad")
+        return
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)):
+            raise AssertionError(f"{name}: expected a list of {len(expected)} tensors, got {type(actual).__name__}")
+        if len(actual) != len(expected):
+            raise AssertionError(f"{name}: {len(actual)} tensors, expected {len(expected)}")
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_close(_to_cpu(a), _to_cpu(e), rtol=rtol, atol=atol, name=f"{name}[{i}]")
+        return
+    assert_close(_to_cpu(actual), _to_cpu(expected), rtol=rtol, atol=atol, name=name)
+
+
+def init_from_torchrun() -> tuple[int, int]:
+    """Initialise the default group from torchrun's environment, set this rank's GPU; return (rank, world_size)."""
+    missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_from_torchrun: {', '.join(missing)} not set; start this script with "
+            "`torchrun --nproc_per_node N script.py`, or call launch(fn, N) from Python"
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    # Only this host's ranks need a GPU each, so judge by the local count (all of them on one host).
+    backend = backend_for(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+    return rank, world_size
+
+
+def run_as_script(fn: Callable[..., Any], *args: Any) -> Any:
+    """Under torchrun: initialise the group, run ``fn(*args)``, destroy the group; return what ``fn`` returned."""
+    init_from_torchrun()
+    try:
+        return fn(*args)
+    finally:
+        dist.destroy_process_group()

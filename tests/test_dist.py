@@ -1,0 +1,288 @@
+"""course_lib.dist: launching gloo ranks, failures and timeouts, no leftover processes, torchrun and notebooks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib import dist as cdist
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fail the test if launch leaves a child process behind (whatever way the run ended)."""
+    before = _children()
+    yield
+    left = _children() - before
+    assert not left, f"launch left child processes behind: {sorted(left)}"
+
+
+def _rank_times_ten() -> int:
+    # Later ranks finish first: the results must still come back ordered by rank.
+    time.sleep(0.05 * (dist.get_world_size() - dist.get_rank()))
+    return dist.get_rank() * 10
+
+
+def test_results_are_ordered_by_rank(no_leftovers) -> None:
+    assert cdist.launch(_rank_times_ten, 4) == [0, 10, 20, 30]
+
+
+def test_all_reduce_matches_single_process_sum(no_leftovers) -> None:
+    def partial_sum() -> torch.Tensor:
+        t = torch.randn(5, 3, generator=torch.Generator().manual_seed(dist.get_rank()))
+        dist.all_reduce(t)
+        return t
+
+    expected = sum(torch.randn(5, 3, generator=torch.Generator().manual_seed(r)) for r in range(3))
+    results = cdist.launch(partial_sum, 3)
+    for r, got in enumerate(results):
+        cdist.assert_matches_reference(got, expected, name=f"rank {r} all_reduce")
+
+
+def test_nested_functions_lambdas_and_closures_work(no_leftovers) -> None:
+    offset = 7
+
+    def nested(x: int) -> int:
+        return dist.get_rank() + x + offset  # a closure over a local: spawn could not pickle this
+
+    assert cdist.launch(nested, 2, 1) == [8, 9]
+    assert cdist.launch(lambda: dist.get_world_size(), 2) == [2, 2]
+
+
+def test_kwargs_reach_the_function(no_leftovers) -> None:
+    def scaled(x: int, *, scale: int = 1) -> tuple[int, str]:
+        return x * scale, dist.get_backend()
+
+    assert cdist.launch(scaled, 2, 3, scale=5) == [(15, "gloo"), (15, "gloo")]
+
+
+def test_tensors_come_back_on_cpu_inside_containers(no_leftovers) -> None:
+    def nested_result() -> dict:
+        t = torch.ones(2, requires_grad=True) * 2
+        return {"t": t, "pair": (t, [t + dist.get_rank()])}
+
+    out = cdist.launch(nested_result, 2)
+    assert out[1]["pair"][1][0].tolist() == [3.0, 3.0]
+    assert out[0]["t"].device.type == "cpu" and not out[0]["t"].requires_grad
+    assert cdist.launch(lambda: str(cdist.rank_device()), 2) == ["cpu", "cpu"]
+
+
+def test_two_launches_in_a_row_get_free_ports(no_leftovers) -> None:
+    assert cdist.launch(lambda: 1, 2) == [1, 1]
+    assert cdist.launch(lambda: 2, 2) == [2, 2]
+
+
+def test_a_port_taken_after_it_was_picked_is_retried(no_leftovers, monkeypatch) -> None:
+    # Another process binds the port between our pick and rank 0's bind: launch must pick again.
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        picks = iter([squatter.getsockname()[1]])
+        real = cdist._free_port
+        monkeypatch.setattr(cdist, "_free_port", lambda: next(picks, None) or real())
+        assert cdist.launch(lambda: dist.get_rank(), 2, timeout=20) == [0, 1]
+
+
+def _fail_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("bad shard size 17")
+    dist.barrier()  # rank 0 waits here for a rank that will never come
+
+
+def test_a_rank_error_names_the_rank_and_comes_back_promptly(no_leftovers) -> None:
+    start = time.monotonic()
+    with pytest.raises(cdist.RankError) as info:
+        cdist.launch(_fail_on_rank_one, 2, timeout=30)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert message.startswith("rank 1 raised ValueError: bad shard size 17"), message
+    assert "Traceback" in message and "_fail_on_rank_one" in message and 'raise ValueError("bad shard size 17")' in message
+    assert info.value.ranks[0] == 1
+    assert elapsed < 10, f"launch took {elapsed:.1f} s to report a failing rank (timeout was 30 s)"
+
+
+def test_a_rank_that_dies_without_reporting_is_an_error(no_leftovers) -> None:
+    with pytest.raises(cdist.RankError, match="rank 0 exited with code 3 without reporting a result"):
+        cdist.launch(lambda: os._exit(3) if dist.get_rank() == 0 else dist.barrier(), 2, timeout=30)
+
+
+def test_an_unpicklable_result_is_a_rank_error(no_leftovers) -> None:
+    with pytest.raises(cdist.RankError, match="rank 0 raised"):
+        cdist.launch(lambda: (lambda: None), 1)
+
+
+def test_a_hung_rank_times_out_naming_it(no_leftovers) -> None:
+    def hang() -> None:
+        if dist.get_rank() == 1:
+            time.sleep(60)
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] still running after 2 s"):
+        cdist.launch(hang, 2, timeout=2)
+    assert time.monotonic() - start < 2 + 4
+
+
+def test_ctrl_c_while_waiting_stops_the_ranks(no_leftovers) -> None:
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        cdist.launch(time.sleep, 2, 60)
+    assert time.monotonic() - start < 6
+
+
+def test_rank_output_is_replayed_with_the_rank(capfd, no_leftovers) -> None:
+    def chatty() -> None:
+        print("partial", end="")
+        print(" line", dist.get_rank())
+        print("to stderr", file=sys.stderr)
+
+    cdist.launch(chatty, 2)
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["[rank 0] partial line 0", "[rank 1] partial line 1"]
+    assert sorted(err.splitlines()) == ["[rank 0] to stderr", "[rank 1] to stderr"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU choice")
+def test_backend_for_is_gloo_without_gpus() -> None:
+    assert cdist.backend_for(1) == "gloo" and cdist.backend_for(4) == "gloo"
+
+
+def test_spawn_without_cloudpickle_asks_for_a_module(monkeypatch) -> None:
+    try:
+        import cloudpickle  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("cloudpickle is installed: the spawn path serialises the function instead")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="define the function in a module"):
+        cdist.launch(lambda: 0, 2)
+
+
+def test_assert_same_across_ranks_passes_and_names_the_differing_rank(no_leftovers) -> None:
+    cdist.launch(lambda: cdist.assert_same_across_ranks(torch.arange(4.0), "weights"), 3)
+
+    def differ() -> None:
+        cdist.assert_same_across_ranks(torch.arange(4.0) + (dist.get_rank() == 2), "weights")
+
+    with pytest.raises(cdist.RankError, match=r"AssertionError: weights differs between ranks: rank 2 vs rank 0"):
+        cdist.launch(differ, 3)
+
+
+def test_assert_matches_reference_on_tensors_lists_and_modules() -> None:
+    a = torch.randn(3, 4)
+    cdist.assert_matches_reference(a, a.clone())
+    cdist.assert_matches_reference([a, a + 1], [a.clone(), a + 1])
+    with pytest.raises(AssertionError, match=r"grads\[1\]: 1 of 12 element"):
+        b = a.clone()
+        b[0, 0] += 1
+        cdist.assert_matches_reference([a, b], [a, a], name="grads")
+    with pytest.raises(AssertionError, match="grads: 1 tensors, expected 2"):
+        cdist.assert_matches_reference([a], [a, a], name="grads")
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    par = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    par.load_state_dict(ref.state_dict())
+    cdist.assert_matches_reference(par, ref, name="model")  # no gradients yet: parameters only
+    for m in (ref, par):
+        m(torch.ones(2, 4)).sum().backward()
+    cdist.assert_matches_reference(par, ref, name="model")
+
+    class Wrapped(nn.Module):  # what DDP looks like: the model under .module
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    cdist.assert_matches_reference(Wrapped(par), ref, name="model")
+    with torch.no_grad():
+        par[2].bias.grad[1] += 0.5
+    with pytest.raises(AssertionError, match=r"model\.2\.bias\.grad: 1 of 2 element"):
+        cdist.assert_matches_reference(par, ref, name="model")
+    par[2].bias.grad = None
+    with pytest.raises(AssertionError, match=r"model\.2\.bias\.grad: missing in the result"):
+        cdist.assert_matches_reference(par, ref, name="model")
+    with torch.no_grad():
+        par[0].weight[0, 0] += 1
+    with pytest.raises(AssertionError, match=r"model\.0\.weight: 1 of 12 element"):
+        cdist.assert_matches_reference(par, ref, name="model")
+    with pytest.raises(AssertionError, match="parameter names differ"):
+        cdist.assert_matches_reference(nn.Linear(4, 3), ref, name="model")
+
+
+def test_init_from_torchrun_and_run_as_script(tmp_path) -> None:
+    script = tmp_path / "allreduce.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import torch.distributed as dist
+        from course_lib.dist import run_as_script, init_from_torchrun
+
+        def main(scale):
+            t = torch.tensor([float(dist.get_rank() + 1)]) * scale
+            dist.all_reduce(t)
+            print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {t.item():g}")
+
+        if __name__ == "__main__":
+            run_as_script(main, 2)
+            assert not dist.is_initialized()
+    """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+        capture_output=True, text=True, env=env, timeout=60,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(line for line in run.stdout.splitlines() if line.startswith("rank ")) == [
+        "rank 0 of 2: 6",
+        "rank 1 of 2: 6",
+    ]
+
+
+def test_init_from_torchrun_outside_torchrun_says_how_to_start(monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun --nproc_per_node N"):
+        cdist.init_from_torchrun()
+
+
+@pytest.mark.slow
+def test_launch_from_a_notebook_cell_shows_rank_output() -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from course_lib.dist import launch
+
+        def greet(x):
+            t = torch.tensor([x * (dist.get_rank() + 1)])
+            dist.all_reduce(t)
+            print(f"hello from rank {dist.get_rank()}")
+            return t.item()
+
+        print("results:", launch(greet, 2, 10))
+    """))]
+    nbclient.NotebookClient(nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    outputs = nb.cells[0].outputs
+    assert all(o["output_type"] == "stream" and o["name"] == "stdout" for o in outputs), outputs
+    lines = "".join(o["text"] for o in outputs).splitlines()
+    assert sorted(lines[:2]) == ["[rank 0] hello from rank 0", "[rank 1] hello from rank 1"], lines
+    assert lines[2:] == ["results: [30, 30]"], lines
