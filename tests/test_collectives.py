@@ -1,0 +1,228 @@
+"""Unit tests of course_lib.collectives: the collectives from send/recv and the ring on 2-4 gloo ranks
+(checked against PyTorch's own collectives and a single-process reference), and the cost model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import collectives as C
+from course_lib.dist import RankError, launch
+from course_lib.testing import NotDoneYet
+
+FUNCTIONS = {
+    "broadcast": C.broadcast_p2p,
+    "scatter": C.scatter_p2p,
+    "gather": C.gather_p2p,
+    "reduce": C.reduce_p2p,
+    "all_gather": C.all_gather_p2p,
+    "reduce_scatter": C.reduce_scatter_p2p,
+    "ring_reduce_scatter": C.ring_reduce_scatter,
+    "ring_all_gather": C.ring_all_gather,
+    "all_reduce": C.ring_all_reduce,
+}
+
+
+def _cases(world_size: int) -> list[tuple]:
+    """Lengths divisible and not, shorter than the world, empty; three dtypes; every root; a 2-D case."""
+    last = world_size - 1
+    return [
+        (1, 4 * world_size, torch.float32, 0),
+        (2, 4 * world_size + 1, torch.float64, last),
+        (3, world_size - 1, torch.int64, last),
+        (4, 1, torch.float32, last),
+        (5, 0, torch.float32, 0),
+        (6, 2 * world_size + world_size - 1, torch.int64, 1 % world_size),
+        (7, world_size + 2, torch.float32, 0, 3),
+    ]
+
+
+@pytest.mark.parametrize("collective", list(FUNCTIONS))
+def test_reference_matches_torch_and_definition(collective: str) -> None:
+    C.check_collective(FUNCTIONS[collective], collective, 3, _cases(3))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("collective", ["broadcast", "reduce", "all_gather", "ring_reduce_scatter", "ring_all_gather", "all_reduce"])
+def test_reference_on_other_world_sizes(collective: str, world_size: int) -> None:
+    C.check_collective(FUNCTIONS[collective], collective, world_size, _cases(world_size))
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 13, 64])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_chunk_sizes_match_tensor_split(n: int, world_size: int) -> None:
+    want = [len(c) for c in torch.tensor_split(torch.arange(n), world_size)]
+    assert C.chunk_sizes(n, world_size) == want
+
+
+def test_chunk_sizes_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        C.chunk_sizes(-1, 2)
+    with pytest.raises(ValueError):
+        C.chunk_sizes(4, 0)
+
+
+def _ring_in_place(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.full((length,), float(dist.get_rank() + 1))
+    out = C.ring_all_reduce(t)
+    return t, out
+
+
+def test_ring_all_reduce_writes_in_place() -> None:
+    for t, out in launch(_ring_in_place, 3, 5):
+        assert torch.equal(t, torch.full((5,), 6.0))
+        assert torch.equal(out, t)
+
+
+def _ring_2d() -> torch.Tensor:
+    t = C.rank_input(9, dist.get_rank(), 5, torch.float64, 3)
+    C.ring_all_reduce(t)
+    return t
+
+
+def test_ring_all_reduce_any_shape() -> None:
+    want = sum(C.rank_input(9, r, 5, torch.float64, 3) for r in range(4))
+    for got in launch(_ring_2d, 4):
+        torch.testing.assert_close(got, want)
+
+
+def _ring_all_gather_bad_sizes() -> None:
+    C.ring_all_gather(torch.zeros(2), [2])
+
+
+def test_ring_all_gather_checks_sizes() -> None:
+    with pytest.raises(RankError, match="one size per rank"):
+        launch(_ring_all_gather_bad_sizes, 2)
+
+
+# ---- the harness catches what it should -------------------------------------------------------
+
+
+def _not_done(t: torch.Tensor, src: int) -> torch.Tensor:
+    raise NotImplementedError()
+
+
+def _does_nothing(t: torch.Tensor, src: int) -> torch.Tensor:
+    return t
+
+
+def _uses_collective(t: torch.Tensor, src: int) -> torch.Tensor:
+    dist.broadcast(t, src)
+    return t
+
+
+def _deadlocks(t: torch.Tensor) -> torch.Tensor:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty_like(t)
+    dist.recv(buf, (rank - 1) % world)  # everyone waits for the left neighbour, nobody sends
+    return buf
+
+
+def test_harness_reports_not_done() -> None:
+    with pytest.raises(NotDoneYet, match="not implemented yet"):
+        C.check_collective(_not_done, "broadcast", 2, [(0, 4)])
+
+
+def test_harness_reports_wrong_values() -> None:
+    with pytest.raises(AssertionError, match="rank 1's result"):
+        C.check_collective(_does_nothing, "broadcast", 2, [(0, 4)])
+
+
+def test_harness_forbids_collectives_in_p2p_exercises() -> None:
+    with pytest.raises(RankError, match="not allowed"):
+        C.check_collective(_uses_collective, "broadcast", 2, [(0, 4)])
+    C.check_collective(_uses_collective, "broadcast", 2, [(0, 4)], point_to_point_only=False)
+
+
+def test_harness_reports_deadlock() -> None:
+    with pytest.raises(AssertionError, match="deadlock"):
+        C.check_collective(_deadlocks, "all_reduce", 2, [(0, 4)], timeout=3.0)
+
+
+def test_expected_result_unknown_collective() -> None:
+    with pytest.raises(ValueError):
+        C.expected_result("all_to_all", [torch.zeros(2)])
+
+
+# ---- the cost model ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "algorithm, world_size, steps",
+    [
+        ("naive", 8, 14), ("ring", 8, 14), ("tree", 8, 6), ("direct", 8, 7),
+        ("naive", 1, 0), ("ring", 1, 0), ("tree", 1, 0), ("direct", 1, 0),
+        ("ring", 2, 2), ("tree", 2, 2), ("tree", 5, 6), ("tree", 16, 8), ("naive", 3, 4),
+    ],
+)
+def test_allreduce_steps(algorithm: str, world_size: int, steps: int) -> None:
+    assert C.allreduce_steps(algorithm, world_size) == steps
+
+
+def test_allreduce_cost_by_hand() -> None:
+    alpha, beta, N = 1e-5, 1e-9, 4e6
+    assert math.isclose(C.allreduce_cost("ring", N, 4, alpha, beta), 6 * (1e-5 + 1e6 * 1e-9))
+    assert math.isclose(C.allreduce_cost("naive", N, 4, alpha, beta), 6 * (1e-5 + 4e6 * 1e-9))
+    assert math.isclose(C.allreduce_cost("tree", N, 4, alpha, beta), 4 * (1e-5 + 4e6 * 1e-9))
+    assert math.isclose(C.allreduce_cost("direct", N, 4, alpha, beta), 3 * (1e-5 + 4e6 * 1e-9))
+    assert C.allreduce_cost("ring", N, 1, alpha, beta) == 0.0
+    # latency-bound: tiny messages favour the tree; bandwidth-bound: big ones favour the ring
+    assert C.allreduce_cost("tree", 8, 64, alpha, beta) < C.allreduce_cost("ring", 8, 64, alpha, beta)
+    assert C.allreduce_cost("ring", 1e9, 64, alpha, beta) < C.allreduce_cost("tree", 1e9, 64, alpha, beta)
+
+
+def test_allreduce_bytes_per_rank() -> None:
+    assert math.isclose(C.allreduce_bytes_per_rank("ring", 800, 8), 1400)
+    assert C.allreduce_bytes_per_rank("naive", 800, 8) == 5600
+    assert C.allreduce_bytes_per_rank("tree", 800, 8) == 2400
+    assert C.allreduce_bytes_per_rank("ring", 800, 1) == 0
+    assert C.allreduce_message_bytes("ring", 800, 8) == 100
+    assert C.allreduce_message_bytes("tree", 800, 8) == 800
+
+
+def test_cost_model_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        C.allreduce_steps("butterfly", 4)
+    with pytest.raises(ValueError):
+        C.allreduce_steps("ring", 0)
+    with pytest.raises(ValueError):
+        C.allreduce_cost("ring", -1, 4, 1e-5, 1e-9)
+
+
+def test_fit_alpha_beta_recovers_exact_line() -> None:
+    sizes = 2.0 ** np.arange(10, 25)
+    alpha, beta = C.fit_alpha_beta(sizes, 2e-5 + sizes / 5e9)
+    assert math.isclose(alpha, 2e-5, rel_tol=1e-9) and math.isclose(beta, 1 / 5e9, rel_tol=1e-9)
+
+
+def test_fit_alpha_beta_with_noise() -> None:
+    rng = np.random.default_rng(0)
+    sizes = np.repeat(2.0 ** np.arange(10, 25, 2), 5)
+    times = (3e-5 + sizes / 2e9) * rng.lognormal(0, 0.05, sizes.size)
+    alpha, beta = C.fit_alpha_beta(sizes, times)
+    assert abs(alpha / 3e-5 - 1) < 0.1 and abs(beta * 2e9 - 1) < 0.1
+
+
+def test_fit_alpha_beta_rejects_bad_data() -> None:
+    with pytest.raises(ValueError):
+        C.fit_alpha_beta([1024, 1024], [1e-5, 2e-5])
+    with pytest.raises(ValueError):
+        C.fit_alpha_beta([1024, 2048], [1e-5, 0.0])
+    with pytest.raises(ValueError):
+        C.fit_alpha_beta([1024, 2048, 4096], [1e-5, 2e-5])
+
+
+def test_bandwidths_follow_nccl_tests() -> None:
+    assert C.algorithm_bandwidth(1e9, 0.01) == 1e11
+    assert math.isclose(C.bus_bandwidth(1e9, 0.01, 8), 1e11 * 2 * 7 / 8)
+    assert math.isclose(C.bus_bandwidth(1e9, 0.01, 8, "all_gather"), 1e11 * 7 / 8)
+    assert C.bus_bandwidth(1e9, 0.01, 8, "broadcast") == 1e11
+    assert C.bus_bandwidth(1e9, 0.01, 1) == 0.0
+    with pytest.raises(ValueError):
+        C.bus_bandwidth(1e9, 0.0, 8)
+    with pytest.raises(ValueError):
+        C.bus_bandwidth(1e9, 0.01, 8, "all_to_all")
