@@ -132,7 +132,7 @@ def use_or_fallback(student_fn: Callable[..., Any], reference_fn: Callable[..., 
         try:
             return student_fn(*args, **kwargs)
         except NotImplementedError:
-            if not told:
+            if not told and _is_first_rank():
                 print(
                     f"note: {_name(student_fn)} is not done yet; using the reference "
                     f"{reference_fn.__module__}.{reference_fn.__qualname__} instead"
@@ -141,6 +141,11 @@ def use_or_fallback(student_fn: Callable[..., Any], reference_fn: Callable[..., 
             return reference_fn(*args, **kwargs)
 
     return wrapper
+
+
+def _is_first_rank() -> bool:
+    """False inside ranks 1.. of a torch.distributed run, so that a note prints once, not once per rank."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0
 
 
 def _name(fn: Callable[..., Any]) -> str:
