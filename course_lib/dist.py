@@ -178,10 +178,10 @@ def _worker(
         fn, args, kwargs = pickle.loads(payload) if isinstance(payload, bytes) else payload
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        else:
-            # Ranks share the CPU cores: without this each rank starts one thread per core, and
-            # world_size ranks oversubscribe the machine (much slower than one thread each).
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # One intra-op thread per rank. A forked child whose parent has already used the OpenMP
+        # thread pool hangs in its first parallel region (seen in layer_norm) when it asks for
+        # more than one thread; and ranks share the cores anyway, so extra threads oversubscribe.
+        torch.set_num_threads(1)
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",

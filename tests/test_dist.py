@@ -286,3 +286,13 @@ def test_launch_from_a_notebook_cell_shows_rank_output() -> None:
     lines = "".join(o["text"] for o in outputs).splitlines()
     assert sorted(lines[:2]) == ["[rank 0] hello from rank 0", "[rank 1] hello from rank 1"], lines
     assert lines[2:] == ["results: [30, 30]"], lines
+
+
+def _layer_norm_sum() -> float:
+    return float(torch.nn.functional.layer_norm(torch.ones(64, 256), (256,)).sum())
+
+
+def test_a_rank_forked_after_the_parent_ran_parallel_work_does_not_hang() -> None:
+    # The parent uses its OpenMP pool first; a forked rank that then asked for several threads hung.
+    torch.nn.functional.layer_norm(torch.randn(512, 1024), (1024,))
+    assert cdist.launch(_layer_norm_sum, 1, timeout=30) == [0.0]

@@ -1,0 +1,151 @@
+"""Unit tests of course_lib.data_parallel: the maths in one process, and DDP / ZeRO-1 in 2-4 gloo ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+from course_lib import data_parallel as dp
+from course_lib import memory_math as mm
+from course_lib.dist import launch
+from course_lib.models import MLP
+from course_lib.testing import NotDoneYet, assert_close
+
+CASES = [
+    dp.TrainCase(seed=0),
+    dp.TrainCase(sizes=(3, 5, 4, 2), optimizer="adam", lr=0.01, accumulation=2, seed=1),
+    dp.TrainCase(sizes=(7, 1, 3), optimizer="sgd", lr=0.05, weight_decay=0.1, seed=2),
+]
+
+
+def _run(worker, world_size, student, cases, **kwargs):
+    return dp.launch_exercise(worker, world_size, student, cases, **kwargs)
+
+
+def test_shard_batch_splits_equally_and_rejects_unequal() -> None:
+    x, y = torch.arange(12).reshape(6, 2), torch.arange(6)
+    xs, ys = dp.shard_batch((x, y), 1, 3)
+    assert torch.equal(xs, x[2:4]) and torch.equal(ys, y[2:4])
+    assert torch.equal(dp.shard_batch(y, 0, 1), y)
+    with pytest.raises(ValueError):
+        dp.shard_batch(y, 0, 4)
+    with pytest.raises(ValueError):
+        dp.shard_batch(y, 3, 3)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 6])
+def test_averaged_shard_gradients_equal_the_big_batch_gradient(world_size: int) -> None:
+    model = MLP([4, 6, 2], seed=0).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    got = dp.averaged_shard_gradients(model, F.mse_loss, x, y, world_size)
+    want = dp.full_batch_gradients(model, F.mse_loss, x, y)
+    for g, w in zip(got, want):
+        assert_close(g, w, rtol=1e-12, atol=1e-14)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(("n", "world", "shuffle", "drop_last"), [(10, 3, True, False), (10, 3, False, True), (2, 4, True, False), (8, 4, True, True)])
+def test_sampler_indices_match_distributed_sampler(n: int, world: int, shuffle: bool, drop_last: bool) -> None:
+    data = list(range(n))
+    for epoch in (0, 3):
+        for rank in range(world):
+            s = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last)
+            s.set_epoch(epoch)
+            assert dp.sampler_indices(n, world, rank, shuffle=shuffle, seed=5, epoch=epoch, drop_last=drop_last) == list(s)
+
+
+def test_assign_buckets_reverse_order_cap_and_dtype() -> None:
+    params = [torch.zeros(10), torch.zeros(3), torch.zeros(5), torch.zeros(2, dtype=torch.float64), torch.zeros(4)]
+    assert dp.assign_buckets(params, 0) == [[4], [3], [2], [1], [0]]
+    assert dp.assign_buckets(params, 1e9) == [[4], [3], [2, 1, 0]]
+    assert dp.assign_buckets(params, 32) == [[4], [3], [2, 1], [0]]  # 20 + 12 bytes reach 32
+    assert dp.assign_buckets([], 10) == []
+
+
+def test_scaling_efficiency() -> None:
+    assert dp.scaling_efficiency(1.0, 0.0) == 1.0
+    assert dp.scaling_efficiency(3.0, 1.0) == 0.75
+    assert dp.scaling_efficiency(3.0, 1.0, 2.0) == 1.0
+    assert dp.scaling_efficiency(0.3, 0.12, 0.1) == pytest.approx(0.9375)
+    np.testing.assert_allclose(dp.scaling_efficiency(np.array([1.0, 1.0]), np.array([1.0, 3.0]), 1.0), [1.0, 1 / 3])
+    with pytest.raises(ValueError):
+        dp.scaling_efficiency(0.0, 1.0)
+    with pytest.raises(ValueError):
+        dp.scaling_efficiency(1.0, -1.0)
+    assert dp.step_compute_time(1e9, 1e3, 6e12) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_naive_ddp_equals_big_batch_training(world_size: int) -> None:
+    results = _run(dp.train_naive_ddp, world_size, dp.average_gradients, CASES)
+    for rank_results in results:
+        for case, got in zip(CASES, rank_results):
+            want = dp.train_reference(case)
+            for a, b in zip(got["params"], want["params"]):
+                assert_close(a, b, rtol=1e-10, atol=1e-12, name=case.describe(world_size))
+
+
+def test_gradient_scale_hint_spots_a_missing_division() -> None:
+    g = [torch.ones(3, dtype=torch.float64)]
+    assert "forget to divide" in dp.gradient_scale_hint([t * 4 for t in g], g, 4)
+    assert "twice" in dp.gradient_scale_hint([t / 4 for t in g], g, 4)
+    assert dp.gradient_scale_hint(g, g, 4) == ""
+
+
+def test_bucketed_ddp_equals_torch_ddp_and_overlaps() -> None:
+    results = _run(dp.train_bucketed_ddp, 3, dp.BucketedDDP, CASES, distinct_init=True)
+    for rank_results in results:
+        for case, got in zip(CASES, rank_results):
+            want = dp.train_reference(case)
+            for a, b, c in zip(got["params"], want["params"], got["torch_ddp"]):
+                assert_close(a, b, rtol=1e-10, atol=1e-12)
+                assert_close(a, c, rtol=1e-10, atol=1e-12)
+            assert got["async_during_backward"] >= 2  # a tiny bucket cap: several buckets, launched during backward
+
+
+def test_zero1_equals_adam_with_sharded_state() -> None:
+    cases = [c for c in CASES if c.optimizer == "adam"] + [dp.TrainCase(sizes=(3, 1, 2), optimizer="adam", lr=0.02, weight_decay=0.1)]
+    for world_size in (2, 3):
+        results = _run(dp.train_zero1, world_size, dp.ZeroStage1Optimizer, cases)
+        for rank_results in results:
+            for case, got in zip(cases, rank_results):
+                want = dp.train_reference(case)
+                for a, b in zip(got["params"], want["params"]):
+                    assert_close(a, b, rtol=1e-9, atol=1e-11)
+                numel = sum(p.numel() for p in case.model().parameters())
+                assert got["state_bytes"] == 2 * 8 * -(-numel // world_size)  # two float64 moments of one shard
+
+
+def test_zero1_state_matches_memory_math() -> None:
+    numel = 10_000
+    per_rank = mm.zero_memory_per_gpu(numel, stage=1, world_size=4, regime="fp32_adam").optimizer
+    assert per_rank == 8 * numel / 4
+
+
+def test_not_implemented_in_ranks_says_not_done() -> None:
+    def todo(model):
+        raise NotImplementedError()
+
+    todo.__name__ = "average_gradients"
+    with pytest.raises(NotDoneYet, match="average_gradients is not implemented yet"):
+        _run(dp.train_naive_ddp, 2, todo, CASES[:1])
+
+
+def test_timeline_records_overlap() -> None:
+    def worker():
+        timeline = dp.Timeline()
+        model = MLP([32, 64, 64, 4], seed=0)
+        ddp = dp.BucketedDDP(model, bucket_cap_mb=0.005, timeline=timeline)
+        with timeline.span("backward"):
+            F.mse_loss(ddp(torch.randn(8, 32)), torch.randn(8, 4)).backward()
+        ddp.finish_gradient_sync()
+        return timeline.spans
+
+    spans = launch(worker, 2)[0]
+    kinds = [s[0] for s in spans]
+    assert kinds.count("all-reduce") >= 2 and "backward" in kinds
+    (bwd,) = [s for s in spans if s[0] == "backward"]
+    assert min(s[2] for s in spans if s[0] == "all-reduce") < bwd[3]  # the first bucket starts before backward ends
