@@ -99,6 +99,11 @@ def _free_port() -> int:
 def _to_cpu(obj: Any) -> Any:
     """``obj`` with every tensor inside (lists, tuples, dicts) moved to the CPU and detached."""
     if isinstance(obj, torch.Tensor):
+        # A copy, not .cpu(): that returns a CPU tensor as it is, and a tensor subclass such as the
+        # result of a functional collective or a DTensor layer may still hold an unfinished
+        # reduction; a real operation on it waits for the result and yields a plain tensor.
+        if type(obj) is not torch.Tensor:
+            obj = obj.detach().to("cpu", copy=True).as_subclass(torch.Tensor)
         return obj.detach().cpu()
     if isinstance(obj, dict):
         return type(obj)((k, _to_cpu(v)) for k, v in obj.items())

@@ -1,0 +1,618 @@
+"""Tensor (operator-level) parallelism in the style of Megatron-LM (Shoeybi et al., 2019).
+
+A weight matrix is split across the ranks of a process group, each rank computes with its
+slice, and two conjugate operators stitch the pieces back together:
+
+    f = CopyToParallelRegion      identity forward, all-reduce of the gradient backward
+    g = ReduceFromParallelRegion  all-reduce forward, identity backward
+
+A column-parallel Linear (output features split) followed by a row-parallel Linear (input
+features split) needs one f before and one g after: that is the Megatron MLP, and the same
+pattern split by heads gives parallel attention. Every module here is built from the
+single-device module (``from_linear`` / ``from_module``), so a test can run both and compare:
+
+    def rank_fn(ff, x):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return ParallelMLP.from_module(ff, rank, world)(x)     # equals ff(x) on every rank
+
+    launch(rank_fn, 2, models.FeedForward(cfg), x)
+
+Construction needs no process group (rank and world size are arguments); ``forward`` does.
+Everything takes an optional ``group`` (default: the whole world) for use with device meshes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import models
+from course_lib.testing import NotDoneYet
+
+T = TypeVar("T")
+
+__all__ = [
+    "CommLog",
+    "ColumnParallelLinear",
+    "CopyToParallelRegion",
+    "GatherFromParallelRegion",
+    "ParallelAttention",
+    "ParallelBlock",
+    "ParallelMLP",
+    "ReduceFromParallelRegion",
+    "RowParallelLinear",
+    "ScatterToParallelRegion",
+    "VocabParallelEmbedding",
+    "all_reduce_wire_bytes",
+    "copy_to_parallel_region",
+    "count_collectives",
+    "gather_from_parallel_region",
+    "launch_checked",
+    "reduce_from_parallel_region",
+    "regroup_qkv_for_sharding",
+    "scatter_to_parallel_region",
+    "shard_range",
+    "student_or_reference",
+    "tp_comm_bytes_per_layer",
+    "vocab_parallel_cross_entropy",
+    "warm_up_autograd",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# The conjugate operators f and g, and the gather/scatter pair
+# --------------------------------------------------------------------------------------------
+
+
+def _all_reduce_copy(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum of ``x`` over the ranks, in a fresh contiguous tensor (the input is left untouched)."""
+    out = x.clone(memory_format=torch.contiguous_format)  # backends work on flat buffers (NCCL insists)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def shard_range(size: int, rank: int, world_size: int, what: str = "dimension") -> slice:
+    """The slice of ``range(size)`` that ``rank`` holds when ``size`` is split evenly over ``world_size``."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got rank={rank}, world_size={world_size}")
+    if size % world_size:
+        raise ValueError(f"{what} of size {size} does not split evenly over world_size={world_size}")
+    part = size // world_size
+    return slice(rank * part, (rank + 1) * part)
+
+
+class CopyToParallelRegion(torch.autograd.Function):
+    """Megatron's f: the identity in the forward pass, an all-reduce (sum) of the gradient in the backward pass.
+
+    Put it where a replicated activation enters a parallel region: every rank uses the same
+    input, so the input's gradient is the sum of the partial gradients of all ranks.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce_copy(grad, ctx.group), None
+
+
+class ReduceFromParallelRegion(torch.autograd.Function):
+    """Megatron's g: an all-reduce (sum) in the forward pass, the identity in the backward pass.
+
+    Put it where partial results leave a parallel region: the sum is replicated on every
+    rank, so each rank's partial result receives the full (replicated) gradient unchanged.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        return _all_reduce_copy(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _all_gather_last(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dimension, in rank order."""
+    world = dist.get_world_size(group)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _my_chunk_last(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """This rank's slice of the last dimension of a replicated ``x`` (a contiguous copy)."""
+    sl = shard_range(x.shape[-1], dist.get_rank(group), dist.get_world_size(group), "last dimension")
+    return x[..., sl].contiguous()
+
+
+class GatherFromParallelRegion(torch.autograd.Function):
+    """All-gather along the last dimension in the forward pass; keep this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _my_chunk_last(grad, ctx.group), None
+
+
+class ScatterToParallelRegion(torch.autograd.Function):
+    """Keep this rank's slice of the last dimension in the forward pass; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        ctx.group = group
+        return _my_chunk_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_last(grad, ctx.group), None
+
+
+def copy_to_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """f(x): identity forward, all-reduce of the gradient backward."""
+    return CopyToParallelRegion.apply(x, group)
+
+
+def reduce_from_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """g(x): all-reduce forward, identity backward."""
+    return ReduceFromParallelRegion.apply(x, group)
+
+
+def gather_from_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """All-gather ``x`` along its last dimension (backward: keep this rank's slice)."""
+    return GatherFromParallelRegion.apply(x, group)
+
+
+def scatter_to_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """This rank's slice of the last dimension of ``x`` (backward: all-gather)."""
+    return ScatterToParallelRegion.apply(x, group)
+
+
+# --------------------------------------------------------------------------------------------
+# Parallel layers
+# --------------------------------------------------------------------------------------------
+
+
+def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+    """A fresh Parameter holding a contiguous copy of ``t`` (so a shard does not keep the full tensor alive)."""
+    return None if t is None else nn.Parameter(t.detach().clone(memory_format=torch.contiguous_format))
+
+
+class ColumnParallelLinear(nn.Module):
+    """A Linear whose output features are split over the ranks: rank r holds rows r*m/n : (r+1)*m/n of W and b.
+
+    Forward: ``f(x)`` (no communication), then the local matmul, giving this rank's slice of the
+    output features. With ``gather_output`` the slices are all-gathered into the full output.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, gather_output: bool = False, group: Any = None
+    ) -> None:
+        super().__init__()
+        self.weight = _param(weight)
+        self.bias = _param(bias)
+        self.gather_output = gather_output
+        self.group = group
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, rank: int, world_size: int, gather_output: bool = False, group: Any = None
+    ) -> ColumnParallelLinear:
+        """Rank ``rank``'s shard of ``linear`` (output features split evenly over ``world_size``)."""
+        rows = shard_range(linear.out_features, rank, world_size, "out_features")
+        bias = None if linear.bias is None else linear.bias[rows]
+        return cls(linear.weight[rows], bias, gather_output=gather_output, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Local slice of ``x @ W.T + b`` (or the full output with ``gather_output``)."""
+        y = F.linear(copy_to_parallel_region(x, self.group), self.weight, self.bias)
+        return gather_from_parallel_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"local weight {tuple(self.weight.shape)}, bias={self.bias is not None}, gather_output={self.gather_output}"
+
+
+class RowParallelLinear(nn.Module):
+    """A Linear whose input features are split over the ranks: rank r holds columns r*k/n : (r+1)*k/n of W.
+
+    Forward: the local matmul gives a partial sum of the full output; ``g`` all-reduces the
+    partial sums, and the bias (replicated, not split) is added once, after the reduction.
+    With ``input_is_parallel=False`` the layer first takes this rank's slice of a full input.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, input_is_parallel: bool = True, group: Any = None
+    ) -> None:
+        super().__init__()
+        self.weight = _param(weight)
+        self.bias = _param(bias)
+        self.input_is_parallel = input_is_parallel
+        self.group = group
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, rank: int, world_size: int, input_is_parallel: bool = True, group: Any = None
+    ) -> RowParallelLinear:
+        """Rank ``rank``'s shard of ``linear`` (input features split evenly over ``world_size``; bias replicated)."""
+        cols = shard_range(linear.in_features, rank, world_size, "in_features")
+        return cls(linear.weight[:, cols], linear.bias, input_is_parallel=input_is_parallel, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b`` from this rank's slice of the input features (or the full input)."""
+        if not self.input_is_parallel:
+            x = scatter_to_parallel_region(x, self.group)
+        y = reduce_from_parallel_region(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"local weight {tuple(self.weight.shape)}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
+
+
+class ParallelMLP(nn.Module):
+    """The Megatron MLP: column-parallel ``fc``, GELU on the local slice, row-parallel ``proj``.
+
+    One all-reduce in the forward pass (in ``proj``'s g) and one in the backward pass (in ``fc``'s f).
+    """
+
+    def __init__(self, fc: ColumnParallelLinear, proj: RowParallelLinear, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc = fc
+        self.proj = proj
+        self.dropout = nn.Dropout(dropout)
+
+    @classmethod
+    def from_module(
+        cls, ff: models.FeedForward, rank: int | None = None, world_size: int | None = None, group: Any = None
+    ) -> ParallelMLP:
+        """Rank ``rank``'s shard of a ``models.FeedForward`` (rank and world size default to the group's)."""
+        rank, world_size = _rank_world(rank, world_size, group)
+        fc = ColumnParallelLinear.from_linear(ff.fc, rank, world_size, gather_output=False, group=group)
+        proj = RowParallelLinear.from_linear(ff.proj, rank, world_size, input_is_parallel=True, group=group)
+        return cls(fc, proj, ff.dropout.p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP of a replicated ``x``; the result is replicated on every rank."""
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+def _rank_world(rank: int | None, world_size: int | None, group: Any) -> tuple[int, int]:
+    """Fill in rank and world size from the process group where they are not given."""
+    if rank is None or world_size is None:
+        if not dist.is_initialized():
+            raise ValueError("rank and world_size are needed when no process group is initialised")
+        rank = dist.get_rank(group) if rank is None else rank
+        world_size = dist.get_world_size(group) if world_size is None else world_size
+    return rank, world_size
+
+
+def _head_shard_qkv(qkv: nn.Linear, heads: slice, head_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of the fused qkv projection for the heads in ``heads``, as [q | k | v] of those heads."""
+    d = qkv.out_features // 3
+    rows = slice(heads.start * head_dim, heads.stop * head_dim)
+    weight = torch.cat([qkv.weight[i * d:(i + 1) * d][rows] for i in range(3)])
+    bias = None if qkv.bias is None else torch.cat([qkv.bias[i * d:(i + 1) * d][rows] for i in range(3)])
+    return weight, bias
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with the heads split over the ranks (Megatron): qkv column-parallel, proj row-parallel.
+
+    Rank r holds heads r*H/n : (r+1)*H/n: their rows of the fused qkv weight (for q, k and v)
+    and the matching columns of proj. Each rank attends with its own heads only; proj's g
+    sums the ranks' contributions. The forward pass is ``models.CausalSelfAttention``'s own,
+    which reads the number of heads from the width of qkv's output.
+    """
+
+    forward = models.CausalSelfAttention.forward
+
+    def __init__(
+        self, qkv: ColumnParallelLinear, proj: RowParallelLinear, head_dim: int, dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.dropout = dropout
+        self.qkv = qkv
+        self.proj = proj
+        self.resid_dropout = nn.Dropout(dropout)
+
+    @classmethod
+    def from_module(
+        cls,
+        attn: models.CausalSelfAttention,
+        rank: int | None = None,
+        world_size: int | None = None,
+        group: Any = None,
+    ) -> ParallelAttention:
+        """Rank ``rank``'s heads of a ``models.CausalSelfAttention`` (the head count must divide evenly)."""
+        rank, world_size = _rank_world(rank, world_size, group)
+        n_head = attn.proj.in_features // attn.head_dim
+        heads = shard_range(n_head, rank, world_size, "the number of heads")
+        weight, bias = _head_shard_qkv(attn.qkv, heads, attn.head_dim)
+        qkv = ColumnParallelLinear(weight, bias, gather_output=False, group=group)
+        cols = slice(heads.start * attn.head_dim, heads.stop * attn.head_dim)
+        proj = RowParallelLinear(attn.proj.weight[:, cols], attn.proj.bias, input_is_parallel=True, group=group)
+        return cls(qkv, proj, attn.head_dim, attn.dropout)
+
+
+class ParallelBlock(nn.Module):
+    """A ``models.Block`` with tensor-parallel attention and MLP; the LayerNorms stay replicated."""
+
+    def __init__(self, ln_1: nn.LayerNorm, attn: ParallelAttention, ln_2: nn.LayerNorm, mlp: ParallelMLP) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = ln_1, attn, ln_2, mlp
+
+    @classmethod
+    def from_module(
+        cls, block: models.Block, rank: int | None = None, world_size: int | None = None, group: Any = None
+    ) -> ParallelBlock:
+        """Rank ``rank``'s shard of a transformer block (replicated LayerNorms are copied)."""
+        rank, world_size = _rank_world(rank, world_size, group)
+        ln_1, ln_2 = (_copy_layernorm(ln) for ln in (block.ln_1, block.ln_2))
+        attn = ParallelAttention.from_module(block.attn, rank, world_size, group)
+        mlp = ParallelMLP.from_module(block.mlp, rank, world_size, group)
+        return cls(ln_1, attn, ln_2, mlp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Same computation as ``models.Block``."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def _copy_layernorm(ln: nn.LayerNorm) -> nn.LayerNorm:
+    """An independent copy of a LayerNorm (same shape, eps and parameters)."""
+    new = nn.LayerNorm(ln.normalized_shape, eps=ln.eps, bias=ln.bias is not None,
+                       device=ln.weight.device, dtype=ln.weight.dtype)
+    new.load_state_dict(ln.state_dict())
+    return new
+
+
+# --------------------------------------------------------------------------------------------
+# Vocabulary-parallel embedding and cross-entropy
+# --------------------------------------------------------------------------------------------
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by vocabulary rows: rank r holds token ids r*V/n : (r+1)*V/n.
+
+    Each rank looks up the ids it owns, writes zeros for the others, and g all-reduces: every
+    position then holds exactly one rank's row.
+    """
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group: Any = None) -> None:
+        super().__init__()
+        self.weight = _param(weight)
+        self.vocab_start = vocab_start
+        self.group = group
+
+    @classmethod
+    def from_embedding(
+        cls, emb: nn.Embedding, rank: int, world_size: int, group: Any = None
+    ) -> VocabParallelEmbedding:
+        """Rank ``rank``'s rows of ``emb`` (the vocabulary must split evenly)."""
+        rows = shard_range(emb.num_embeddings, rank, world_size, "the vocabulary")
+        return cls(emb.weight[rows], rows.start, group)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Embeddings of token ids ``idx`` (any shape) -> ``idx.shape + (d,)``, replicated."""
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_parallel_region(out, self.group)
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: torch.Tensor, targets: torch.Tensor, group: Any = None, reduction: str = "mean"
+) -> torch.Tensor:
+    """Cross-entropy from logits split by vocabulary (this rank holds a contiguous slice of the last dimension).
+
+    Three all-reduces of one number per token replace gathering the full logits: the maximum
+    (for a stable exponent), the sum of exponentials and the target's logit. ``targets`` hold
+    global token ids. ``reduction`` is "mean", "sum" or "none", as in ``F.cross_entropy``.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    part = local_logits.shape[-1]
+    start = dist.get_rank(group) * part
+    # The maximum only keeps exp() in range; the loss does not depend on it, so no gradient flows.
+    with torch.no_grad():
+        peak = local_logits.max(dim=-1).values.contiguous()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = local_logits - peak.unsqueeze(-1)
+    sum_exp = reduce_from_parallel_region(shifted.exp().sum(dim=-1), group)
+    local_t = targets - start
+    mine = (local_t >= 0) & (local_t < part)
+    picked = shifted.gather(-1, local_t.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = reduce_from_parallel_region(picked * mine.to(picked.dtype), group)
+    loss = sum_exp.log() - target_logit
+    if reduction == "mean":
+        return loss.mean()
+    return loss.sum() if reduction == "sum" else loss
+
+
+# --------------------------------------------------------------------------------------------
+# Communication volume: the formula and a counter
+# --------------------------------------------------------------------------------------------
+
+
+def tp_comm_bytes_per_layer(b: int, s: int, h: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """Bytes handed to all-reduce per transformer layer under Megatron tensor parallelism.
+
+    Forward: g after attention and g after the MLP, each on the (b, s, h) activation; backward:
+    f before attention and f before the MLP, each on a gradient of the same shape. So
+    ``{"forward": 2 b s h e, "backward": 2 b s h e}`` with e bytes per element. The count does
+    not depend on the number of ranks: each all-reduce carries the full activation.
+    """
+    for name, v in (("b", b), ("s", s), ("h", h)):
+        if v < 0:
+            raise ValueError(f"{name} must be non-negative, got {v}")
+    per = 2 * b * s * h * torch.empty((), dtype=dtype).element_size()
+    return {"forward": per, "backward": per}
+
+
+def all_reduce_wire_bytes(payload_bytes: int, world_size: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce of ``payload_bytes``: 2 (n-1)/n of it."""
+    return 2 * (world_size - 1) / world_size * payload_bytes
+
+
+@dataclass
+class CommLog:
+    """What ``count_collectives`` saw: one (operation, bytes) entry per collective call, in order."""
+
+    calls: list[tuple[str, int]] = field(default_factory=list)
+
+    def count(self, op: str | None = None) -> int:
+        """Number of calls (of ``op`` only, if given)."""
+        return sum(1 for name, _ in self.calls if op is None or name == op)
+
+    def bytes(self, op: str | None = None) -> int:
+        """Total payload bytes (of ``op`` only, if given)."""
+        return sum(n for name, n in self.calls if op is None or name == op)
+
+    def clear(self) -> None:
+        """Forget what was recorded so far."""
+        self.calls.clear()
+
+
+_COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CommLog]:
+    """Record every ``torch.distributed`` collective called inside (payload bytes of this rank's tensor).
+
+    It wraps the functions of the ``torch.distributed`` module, so it sees code that calls
+    ``dist.all_reduce(...)`` and friends; DTensor goes through other paths (use
+    ``torch.distributed.tensor.debug.CommDebugMode`` there).
+    """
+    log = CommLog()
+    originals = {name: getattr(dist, name) for name in _COUNTED}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            at = 1 if name in ("all_gather", "all_gather_into_tensor", "reduce_scatter_tensor") else 0
+            tensor = args[at] if len(args) > at else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+            log.calls.append((name, tensor.numel() * tensor.element_size()))
+            return fn(*args, **kwargs)
+
+        return counted
+
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, wrap(name, fn))
+        yield log
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+# --------------------------------------------------------------------------------------------
+# Running checks in ranks
+# --------------------------------------------------------------------------------------------
+
+
+def student_or_reference(student: T, reference: T, probe: Callable[[T], Any]) -> T:
+    """``student`` (a function or class) if ``probe(student)`` does anything but raise NotImplementedError, else ``reference``.
+
+    Decide in the notebook's process, before launching ranks (a rank's prints do not reach the
+    notebook): ``probe`` exercises the student's code, e.g. ``lambda cls: cls.from_linear(lin, 0, 2)``.
+    Any other exception counts as implemented (a forward pass may need a process group that
+    the notebook's process does not have).
+    """
+    try:
+        probe(student)
+    except NotImplementedError:
+        name = getattr(student, "__qualname__", repr(student))
+        print(f"note: {name} is not done yet; using the reference {reference.__module__}.{reference.__qualname__} instead")
+        return reference
+    except Exception:  # noqa: BLE001 - implemented, it just cannot run here
+        pass
+    return student
+
+
+def warm_up_autograd() -> None:
+    """Run one tiny backward with an explicit gradient here, so that forked ranks do not each pay its first-call imports.
+
+    (torch imports a few hundred modules, about half a second, on the first such backward of a
+    process; ranks forked before that happens all repeat it.)
+    """
+    x = torch.zeros(2, requires_grad=True)
+    (x * 1.0).backward(torch.ones(2))
+
+
+class _Checked:
+    """Runs ``fn`` in a rank and turns a failed check into a value, so the caller can re-raise it plainly."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return ("ok", self.fn(*args, **kwargs))
+        except NotImplementedError as exc:
+            return ("todo", str(exc))
+        except AssertionError as exc:
+            return ("fail", f"{type(exc).__name__}: {exc}" if isinstance(exc, NotDoneYet) else str(exc))
+
+
+def launch_checked(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0, **kwargs: Any) -> list[Any]:
+    """``dist.launch`` for tests: a rank's failed assertion is raised here as an AssertionError naming the rank.
+
+    A rank that hits an unfinished exercise (``NotImplementedError``, or ``testing.call``'s
+    NotDoneYet) makes this raise ``NotDoneYet``; other exceptions come back as ``RankError``.
+    """
+    from course_lib.dist import launch
+
+    warm_up_autograd()
+    results = launch(_Checked(fn), world_size, *args, timeout=timeout, **kwargs)
+    for rank, (status, value) in enumerate(results):
+        if status == "todo" or (status == "fail" and value.startswith("NotDoneYet: ")):
+            message = value.removeprefix("NotDoneYet: ") or "not implemented yet"
+            raise NotDoneYet(f"{message} (raised in rank {rank})")
+    for rank, (status, value) in enumerate(results):
+        if status == "fail":
+            raise AssertionError(f"rank {rank} of {world_size}: {value}")
+    return [value for _, value in results]
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch's own tensor parallelism (DTensor)
+# --------------------------------------------------------------------------------------------
+
+
+def regroup_qkv_for_sharding(attn: models.CausalSelfAttention, world_size: int) -> models.CausalSelfAttention:
+    """Reorder the rows of ``attn.qkv`` in place so that an even split into ``world_size`` row blocks gives each rank
+    [q | k | v] of its own heads; return ``attn``.
+
+    PyTorch's ``ColwiseParallel`` cuts the fused qkv weight into contiguous row blocks. In the
+    layout [q of all heads | k of all heads | v of all heads] that block would hold, for two
+    ranks, all of q and half of k: the wrong tensors. After regrouping, the model computes
+    something different on one device (``chunk(3)`` now splits the wrong way), so regroup only
+    the copy that is being parallelised.
+    """
+    n_head = attn.proj.in_features // attn.head_dim
+    pieces_w, pieces_b = [], []
+    for rank in range(world_size):
+        heads = shard_range(n_head, rank, world_size, "the number of heads")
+        w, b = _head_shard_qkv(attn.qkv, heads, attn.head_dim)
+        pieces_w.append(w)
+        pieces_b.append(b)
+    with torch.no_grad():
+        attn.qkv.weight.copy_(torch.cat(pieces_w))
+        if attn.qkv.bias is not None:
+            attn.qkv.bias.copy_(torch.cat(pieces_b))
+    return attn

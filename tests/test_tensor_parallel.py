@@ -1,0 +1,263 @@
+"""Tensor-parallel layers against single-device modules, in gloo ranks (course_lib.tensor_parallel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import torch.distributed.tensor.parallel  # noqa: F401  (imported before forking, so ranks do not each import it)
+
+from course_lib import models
+from course_lib import tensor_parallel as tp
+from course_lib.dist import RankError, launch
+from course_lib.testing import NotDoneYet, assert_close
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _warm_autograd() -> None:
+    """The first backward with an explicit gradient imports a few hundred modules; do it once, before forking."""
+    tp.warm_up_autograd()
+
+
+def _chunk(t: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
+    return t.chunk(world, dim=dim)[rank]
+
+
+def _f_and_g(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    xs = [torch.randn(shape, dtype=dtype, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    gs = [torch.randn(shape, dtype=dtype, generator=torch.Generator().manual_seed(20 + r)) for r in range(world)]
+    x = xs[rank].clone().requires_grad_(True)
+    y = tp.copy_to_parallel_region(x)
+    assert_close(y, xs[rank], name="f forward")
+    y.backward(gs[rank])
+    assert_close(x.grad, sum(gs), name="f backward")
+    x = xs[rank].clone().requires_grad_(True)
+    y = tp.reduce_from_parallel_region(x)
+    assert_close(y, sum(xs), name="g forward")
+    assert_close(x, xs[rank], name="g leaves its input alone")
+    y.backward(gs[rank])
+    assert_close(x.grad, gs[rank], name="g backward")
+    # a non-contiguous input and gradient
+    x = xs[rank].clone().requires_grad_(True)
+    tp.reduce_from_parallel_region(x.transpose(0, -1)).transpose(0, -1).backward(gs[rank])
+    assert_close(x.grad, gs[rank], name="g backward (transposed)")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_f_and_g(world: int) -> None:
+    launch(_f_and_g, world, (3, 5), torch.float64)
+
+
+def _linears(bias: bool, dtype: torch.dtype) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 4 * world, bias=bias).to(dtype)
+    x = torch.randn(3, 5, 6, dtype=dtype)
+    gout = torch.randn(3, 5, 4 * world, dtype=dtype)
+    xr = x.clone().requires_grad_(True)
+    ref = lin(xr)
+    ref.backward(gout)
+    for gather in (False, True):
+        col = tp.ColumnParallelLinear.from_linear(lin, rank, world, gather_output=gather)
+        xc = x.clone().requires_grad_(True)
+        y = col(xc)
+        y.backward(gout if gather else _chunk(gout, rank, world, -1))
+        assert_close(y, ref.detach() if gather else _chunk(ref.detach(), rank, world, -1), name="column output")
+        assert_close(xc.grad, xr.grad, name="column input grad")
+        assert_close(col.weight.grad, _chunk(lin.weight.grad, rank, world, 0), name="column weight grad")
+        if bias:
+            assert_close(col.bias.grad, _chunk(lin.bias.grad, rank, world, 0), name="column bias grad")
+
+    lin2 = nn.Linear(4 * world, 6, bias=bias).to(dtype)
+    x2 = torch.randn(3, 5, 4 * world, dtype=dtype)
+    g2 = torch.randn(3, 5, 6, dtype=dtype)
+    xr2 = x2.clone().requires_grad_(True)
+    ref2 = lin2(xr2)
+    ref2.backward(g2)
+    for parallel_in in (True, False):
+        row = tp.RowParallelLinear.from_linear(lin2, rank, world, input_is_parallel=parallel_in)
+        xin = (_chunk(x2, rank, world, -1) if parallel_in else x2).clone().requires_grad_(True)
+        y = row(xin)
+        y.backward(g2)
+        assert_close(y, ref2.detach(), name="row output")
+        want = _chunk(xr2.grad, rank, world, -1) if parallel_in else xr2.grad
+        assert_close(xin.grad, want, name="row input grad")
+        assert_close(row.weight.grad, _chunk(lin2.weight.grad, rank, world, 1), name="row weight grad")
+        if bias:
+            assert_close(row.bias.grad, lin2.bias.grad, name="row bias grad")
+
+
+@pytest.mark.parametrize("world,bias", [(2, True), (4, False)])
+def test_column_and_row_parallel_linear(world: int, bias: bool) -> None:
+    launch(_linears, world, bias, torch.float64)
+
+
+def _block(block: models.Block, x: torch.Tensor) -> tuple:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pb = tp.ParallelBlock.from_module(block, rank, world)
+    xx = x.clone().requires_grad_(True)
+    with tp.count_collectives() as fwd:
+        y = pb(xx)
+    with tp.count_collectives() as bwd:
+        y.backward(torch.cos(y.detach()))
+    grads = {n: p.grad for n, p in pb.named_parameters()}
+    return y, xx.grad, grads, fwd.calls, bwd.calls
+
+
+@pytest.mark.parametrize("world,bias", [(2, True), (4, False)])
+def test_parallel_block_matches_single_device(world: int, bias: bool) -> None:
+    cfg = models.GPTConfig(d_model=16, n_head=4, bias=bias)
+    block = models.GPT(cfg, seed=1).blocks[0].double()
+    x = torch.randn(3, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    xr = x.clone().requires_grad_(True)
+    yr = block(xr)
+    yr.backward(torch.cos(yr.detach()))
+    results = launch(_block, world, block, x)
+    d, ff = 16, cfg.d_ff
+    expected_calls = [("all_reduce", 3 * 7 * 16 * 8)] * 2
+    b = tp.tp_comm_bytes_per_layer(3, 7, 16, torch.float64)
+    for rank, (y, gx, grads, fwd, bwd) in enumerate(results):
+        assert_close(y, yr.detach(), name="block output")
+        assert_close(gx, xr.grad, name="block input grad")
+        assert_close(grads["mlp.fc.weight"], _chunk(block.mlp.fc.weight.grad, rank, world, 0))
+        assert_close(grads["mlp.proj.weight"], _chunk(block.mlp.proj.weight.grad, rank, world, 1))
+        qkv_rows = torch.cat([_chunk(w, rank, world, 0) for w in block.attn.qkv.weight.grad.split(d)])
+        assert_close(grads["attn.qkv.weight"], qkv_rows)
+        assert_close(grads["attn.proj.weight"], _chunk(block.attn.proj.weight.grad, rank, world, 1))
+        assert_close(grads["ln_1.weight"], block.ln_1.weight.grad)
+        if bias:
+            assert_close(grads["mlp.proj.bias"], block.mlp.proj.bias.grad)
+            assert_close(grads["attn.qkv.bias"], torch.cat([_chunk(w, rank, world, 0) for w in block.attn.qkv.bias.grad.split(d)]))
+        assert fwd == expected_calls and bwd == expected_calls, (fwd, bwd)
+        assert sum(n for _, n in fwd) == b["forward"] and sum(n for _, n in bwd) == b["backward"]
+    assert ff % world == 0
+
+
+def _vocab(emb: nn.Embedding, idx: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> tuple:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    e = tp.VocabParallelEmbedding.from_embedding(emb, rank, world)
+    out = e(idx)
+    out.backward(torch.ones_like(out))
+    lg = _chunk(logits, rank, world, -1).clone().requires_grad_(True)
+    losses = {}
+    for red in ("mean", "sum", "none"):
+        losses[red] = tp.vocab_parallel_cross_entropy(lg, targets, reduction=red)
+    losses["mean"].backward()
+    return out, e.weight.grad, losses, lg.grad
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_embedding_and_cross_entropy(world: int) -> None:
+    torch.manual_seed(3)
+    emb = nn.Embedding(12, 5).double()
+    idx = torch.tensor([[0, 11, 5, 5, 6], [3, 2, 9, 11, 0]])
+    logits = torch.randn(2, 5, 12, dtype=torch.float64) * 30  # large logits: the max shift matters
+    targets = torch.tensor([[1, 11, 0, 6, 6], [5, 3, 9, 0, 2]])
+    ref_out = emb(idx)
+    ref_out.backward(torch.ones_like(ref_out))
+    lg = logits.clone().requires_grad_(True)
+    F.cross_entropy(lg.reshape(-1, 12), targets.reshape(-1)).backward()
+    for rank, (out, gw, losses, glg) in enumerate(launch(_vocab, world, emb, idx, logits, targets)):
+        assert_close(out, ref_out.detach(), name="embedding")
+        assert_close(gw, _chunk(emb.weight.grad, rank, world, 0), name="embedding grad")
+        for red in ("mean", "sum", "none"):
+            want = F.cross_entropy(logits.reshape(-1, 12), targets.reshape(-1), reduction=red)
+            assert_close(losses[red], want.reshape(targets.shape) if red == "none" else want, name=f"loss {red}")
+        assert_close(glg, _chunk(lg.grad, rank, world, -1), name="logit grad")
+
+
+def _dtensor(ff: models.FeedForward, attn: models.CausalSelfAttention, x: torch.Tensor) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parallelize_module(ff, mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+    tp.regroup_qkv_for_sharding(attn, dist.get_world_size())
+    parallelize_module(attn, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel()})
+    y = ff(x)
+    y.sum().backward()
+    # A DTensor layer's output may be an AsyncCollectiveTensor whose all-reduce has not finished:
+    # any operation (clone) waits for it; pickling it as it is would send a partial sum.
+    return y.clone(), ff.fc.weight.grad.full_tensor(), attn(x).clone()
+
+
+def test_dtensor_matches_single_device() -> None:
+    cfg = models.GPTConfig(d_model=16, n_head=4)
+    block = models.GPT(cfg, seed=4).blocks[0]
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(5))
+    y_ref = block.mlp(x)
+    y_ref.sum().backward()
+    for y, g, ya in launch(_dtensor, 2, block.mlp, block.attn, x):
+        assert_close(y, y_ref.detach(), rtol=1e-5, atol=1e-6)
+        assert_close(g, block.mlp.fc.weight.grad, rtol=1e-5, atol=1e-6)
+        assert_close(ya, block.attn(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_regroup_qkv_gives_each_rank_its_heads() -> None:
+    cfg = models.GPTConfig(d_model=8, n_head=4)
+    attn = models.CausalSelfAttention(cfg)
+    w = attn.qkv.weight.detach().clone()
+    tp.regroup_qkv_for_sharding(attn, 2)
+    for rank in range(2):
+        block = attn.qkv.weight.detach().chunk(2)[rank]
+        q, k, v = w.split(8)
+        want = torch.cat([q.chunk(2)[rank], k.chunk(2)[rank], v.chunk(2)[rank]])
+        assert_close(block, want)
+
+
+def test_shard_validation_and_comm_formula() -> None:
+    with pytest.raises(ValueError, match="out_features"):
+        tp.ColumnParallelLinear.from_linear(nn.Linear(4, 6), 0, 4)
+    with pytest.raises(ValueError, match="in_features"):
+        tp.RowParallelLinear.from_linear(nn.Linear(6, 4), 1, 4)
+    with pytest.raises(ValueError, match="heads"):
+        tp.ParallelAttention.from_module(models.CausalSelfAttention(models.GPTConfig(d_model=12, n_head=6)), 0, 4)
+    with pytest.raises(ValueError, match="rank"):
+        tp.shard_range(8, 2, 2)
+    assert tp.tp_comm_bytes_per_layer(8, 1024, 768, torch.bfloat16) == {"forward": 2 * 8 * 1024 * 768 * 2,
+                                                                         "backward": 2 * 8 * 1024 * 768 * 2}
+    assert tp.tp_comm_bytes_per_layer(1, 1, 1, torch.float64)["forward"] == 16
+    assert tp.all_reduce_wire_bytes(100, 4) == 150
+
+
+def _unfinished() -> None:
+    raise NotImplementedError()
+
+
+def _wrong() -> None:
+    assert dist.get_rank() == 0, "only rank 0 is right"
+
+
+def _crash() -> None:
+    raise ValueError("boom")
+
+
+def test_launch_checked_reports_plainly() -> None:
+    with pytest.raises(NotDoneYet, match="rank 0"):
+        tp.launch_checked(_unfinished, 2)
+    with pytest.raises(AssertionError, match="rank 1 of 2: only rank 0 is right"):
+        tp.launch_checked(_wrong, 2)
+    with pytest.raises(RankError, match="boom"):
+        tp.launch_checked(_crash, 2)
+    assert tp.launch_checked(dist.get_rank, 2) == [0, 1]
+
+
+def test_student_or_reference_falls_back_only_when_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:
+    class Todo:
+        @classmethod
+        def build(cls) -> None:
+            raise NotImplementedError()
+
+    class NeedsGroup:
+        @classmethod
+        def build(cls) -> None:
+            raise RuntimeError("Default process group has not been initialized")
+
+    assert tp.student_or_reference(Todo, tp.ParallelMLP, lambda c: c.build()) is tp.ParallelMLP
+    assert "Todo is not done yet" in capsys.readouterr().out
+    assert tp.student_or_reference(NeedsGroup, tp.ParallelMLP, lambda c: c.build()) is NeedsGroup
+    assert capsys.readouterr().out == ""
