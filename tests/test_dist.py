@@ -143,11 +143,16 @@ def test_a_hung_rank_times_out_naming_it(no_leftovers) -> None:
 
 
 def test_ctrl_c_while_waiting_stops_the_ranks(no_leftovers) -> None:
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
-    start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        cdist.launch(time.sleep, 2, 60)
-    assert time.monotonic() - start < 6
+    # pytest-xdist workers ignore SIGINT (Ctrl-C is the controller's); a notebook kernel does not.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            cdist.launch(time.sleep, 2, 60)
+        assert time.monotonic() - start < 6
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_rank_output_is_replayed_with_the_rank(capfd, no_leftovers) -> None:
