@@ -1,0 +1,350 @@
+"""Chapter 06 (mixed precision): autocast, fp32 master weights, loss scaling, gradient underflow.
+
+Mixed precision training (Micikevicius et al. 2018, "Mixed Precision Training") runs the forward
+and backward pass in a 16-bit format, keeps an fp32 master copy of the weights for the optimizer
+step, and for fp16 multiplies the loss by a scale factor so that small gradients do not underflow.
+This module holds the reference pieces, written to match PyTorch step by step:
+
+    from course_lib import mixed_precision as mp
+    scaler = mp.DynamicLossScaler()              # behaves like torch.amp.GradScaler
+    mw = mp.MasterWeights(model, torch.bfloat16) # 16-bit working copy + fp32 master params
+    loss = mp.mixed_precision_step(mw.model, mw.params, opt, scaler, mp.gpt_loss(x, y))
+    mp.underflow_fraction(grads, torch.float16)  # share of nonzero values that cast to 0
+    mp.autocast_dtypes(model, (x,), "cpu", torch.bfloat16)  # [(op, output dtype), ...]
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from course_lib import memory_math as mm
+
+# ---- gradient underflow ----------------------------------------------------------------------
+
+
+def _flat(grads: torch.Tensor | Iterable[torch.Tensor | None]) -> torch.Tensor:
+    if isinstance(grads, torch.Tensor):
+        return grads.detach().reshape(-1).to(torch.float64)
+    parts = [g.detach().reshape(-1).to(torch.float64) for g in grads if g is not None]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def underflow_fraction(grads: torch.Tensor | Iterable[torch.Tensor | None], dtype: torch.dtype) -> float:
+    """Fraction of the nonzero values in ``grads`` that become zero when cast to ``dtype``.
+
+    ``grads`` is a tensor or a list of tensors (``None`` entries are skipped). The cast rounds to
+    nearest, ties to even, so a magnitude up to half the smallest subnormal (that half included)
+    becomes 0. Zeros are not counted at all; with no nonzero value the fraction is 0.0.
+    """
+    x = _flat(grads)
+    nonzero = x != 0
+    n = int(nonzero.sum())
+    if n == 0:
+        return 0.0
+    flushed = nonzero & (x.to(dtype) == 0)
+    return int(flushed.sum()) / n
+
+
+def subnormal_fraction(grads: torch.Tensor | Iterable[torch.Tensor | None], dtype: torch.dtype) -> float:
+    """Fraction of the nonzero values that land among ``dtype``'s subnormals (nonzero, below the smallest normal)."""
+    x = _flat(grads)
+    nonzero = x != 0
+    n = int(nonzero.sum())
+    if n == 0:
+        return 0.0
+    y = x.to(dtype).abs()
+    sub = (y != 0) & (y < torch.finfo(dtype).tiny)
+    return int((sub & nonzero).sum()) / n
+
+
+def log2_magnitudes(grads: torch.Tensor | Iterable[torch.Tensor | None]) -> np.ndarray:
+    """log2 |g| of the nonzero gradient values, as float64 NumPy (for histograms)."""
+    x = _flat(grads)
+    x = x[x != 0]
+    return torch.log2(x.abs()).numpy()
+
+
+# ---- loss scalers ----------------------------------------------------------------------------
+
+
+def _f32(x: float) -> float:
+    """Round a Python float to float32 (GradScaler keeps its scale in an fp32 tensor)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
+def unscale_and_check(grads: Iterable[torch.Tensor | None], scale: float) -> bool:
+    """Multiply every gradient in place by 1/``scale``; return True if any value is inf or NaN.
+
+    Like ``torch._amp_foreach_non_finite_check_and_unscale_``: the reciprocal is taken in fp64,
+    rounded to fp32, and every gradient (finite or not) is multiplied by it.
+    """
+    inv = _f32(1.0 / float(scale))
+    found = False
+    with torch.no_grad():
+        for g in grads:
+            if g is None:
+                continue
+            if not bool(torch.isfinite(g).all()):
+                found = True
+            g.mul_(inv)
+    return found
+
+
+def update_scale(
+    scale: float,
+    growth_tracker: int,
+    found_inf: bool,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+) -> tuple[float, int]:
+    """One update of a dynamic loss scale: (new scale, new count of overflow-free steps).
+
+    Like ``torch._amp_update_scale_``: an overflow multiplies the scale by ``backoff_factor``
+    and resets the count; otherwise the count grows by one, and when it reaches
+    ``growth_interval`` the scale is multiplied by ``growth_factor`` (if that stays finite in
+    fp32) and the count restarts at 0. The scale is kept as an fp32 value.
+    """
+    if found_inf:
+        return _f32(scale * backoff_factor), 0
+    successful = growth_tracker + 1
+    if successful == growth_interval:
+        grown = _f32(scale * growth_factor)
+        return (grown if np.isfinite(grown) else _f32(scale)), 0
+    return _f32(scale), successful
+
+
+def _optimizer_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+class StaticLossScaler:
+    """A fixed loss scale: scale the loss, unscale the gradients, skip a step whose gradients hold inf or NaN.
+
+    Same interface as ``DynamicLossScaler`` (and ``torch.amp.GradScaler``): ``scale``,
+    ``unscale_``, ``step``, ``update``, ``get_scale``; ``update`` leaves the scale alone.
+    """
+
+    def __init__(self, scale: float = 2.0**10) -> None:
+        if not scale > 0:
+            raise ValueError(f"the loss scale must be positive, got {scale}")
+        self._scale = _f32(scale)
+        self.found_inf: bool | None = None
+        self._unscaled = False
+        self.skipped_steps = 0
+
+    def get_scale(self) -> float:
+        """The current loss scale."""
+        return self._scale
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the scale (an fp32 0-dim factor, as GradScaler multiplies)."""
+        return loss * torch.tensor(self._scale, dtype=torch.float32, device=loss.device)
+
+    def unscale(self, grads: Iterable[torch.Tensor | None]) -> bool:
+        """Divide ``grads`` in place by the scale; record and return whether one was not finite."""
+        self.found_inf = unscale_and_check(grads, self._scale)
+        return self.found_inf
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale the gradients of ``optimizer``'s parameters in place (once per step)."""
+        if self._unscaled:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        self.unscale(_optimizer_grads(optimizer))
+        self._unscaled = True
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale if not yet done, then step ``optimizer`` unless a gradient is inf/NaN; True if it stepped."""
+        if not self._unscaled:
+            self.unscale_(optimizer)
+        if self.found_inf:
+            self.skipped_steps += 1
+            return False
+        optimizer.step()
+        return True
+
+    def update(self) -> None:
+        """End the step: a static scale does not change."""
+        if self.found_inf is None:
+            raise RuntimeError("update() called before any unscale/step: no inf checks were recorded")
+        self._unscaled = False
+        self.found_inf = None
+
+
+class DynamicLossScaler(StaticLossScaler):
+    """Dynamic loss scaling that follows ``torch.amp.GradScaler`` step by step.
+
+    Start at ``init_scale``; a step whose gradients overflow is skipped and the scale multiplied by
+    ``backoff_factor``; after ``growth_interval`` overflow-free steps in a row the scale is
+    multiplied by ``growth_factor``. ``history`` lists (scale used, found_inf) per step.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        update_fn: Callable[..., tuple[float, int]] = update_scale,
+    ) -> None:
+        super().__init__(init_scale)
+        if growth_factor <= 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+        if growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.growth_tracker = 0
+        self.update_fn = update_fn
+        self.history: list[tuple[float, bool]] = []
+
+    def update(self) -> None:
+        """Back off after an overflow, grow after ``growth_interval`` clean steps (see ``update_scale``)."""
+        if self.found_inf is None:
+            raise RuntimeError("update() called before any unscale/step: no inf checks were recorded")
+        self.history.append((self._scale, bool(self.found_inf)))
+        scale, tracker = self.update_fn(
+            self._scale, self.growth_tracker, bool(self.found_inf),
+            self.growth_factor, self.backoff_factor, self.growth_interval,
+        )
+        self._scale, self.growth_tracker = float(scale), int(tracker)
+        self._unscaled = False
+        self.found_inf = None
+
+
+# ---- fp32 master weights ---------------------------------------------------------------------
+
+
+class MasterWeights:
+    """A 16-bit working copy of ``model`` (``.model``) and fp32 master copies of its parameters (``.params``).
+
+    The master parameters start as exact fp32 copies of ``model``'s parameters (not of the rounded
+    16-bit ones); the optimizer is built on ``.params``.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.model = copy.deepcopy(model).to(dtype)
+        self.params = [nn.Parameter(p.detach().to(torch.float32).clone()) for p in model.parameters()]
+
+    def grads_to_master(self) -> None:
+        """Copy the 16-bit gradients up into fp32 ``.grad`` of the master parameters."""
+        grads_to_master(self.model, self.params)
+
+    def master_to_model(self) -> None:
+        """Round the master parameters down into the 16-bit model."""
+        master_to_model(self.model, self.params)
+
+
+def grads_to_master(model_lowp: nn.Module, master_params: Sequence[torch.Tensor]) -> None:
+    """Set each master parameter's ``.grad`` to the fp32 copy of the 16-bit gradient (zeros where none)."""
+    for p, m in zip(model_lowp.parameters(), master_params, strict=True):
+        m.grad = torch.zeros_like(m) if p.grad is None else p.grad.detach().to(torch.float32)
+
+
+def master_to_model(model_lowp: nn.Module, master_params: Sequence[torch.Tensor]) -> None:
+    """Copy the master parameters into the model's parameters, rounding to their dtype."""
+    with torch.no_grad():
+        for p, m in zip(model_lowp.parameters(), master_params, strict=True):
+            p.copy_(m)
+
+
+def gpt_loss(inputs: torch.Tensor, targets: torch.Tensor) -> Callable[[nn.Module], torch.Tensor]:
+    """A loss function for ``mixed_precision_step``: the model's logits, cast to fp32, into cross-entropy."""
+
+    def loss_fn(model: nn.Module) -> torch.Tensor:
+        logits, _ = model(inputs)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return loss_fn
+
+
+def mixed_precision_step(
+    model_lowp: nn.Module,
+    master_params: Sequence[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    loss_fn: Callable[[nn.Module], torch.Tensor],
+) -> float:
+    """One training step with fp32 master weights; returns the (unscaled) loss as a Python float.
+
+    1. clear the gradients of the 16-bit model and of the master parameters;
+    2. forward and backward through the 16-bit model, on ``scaler.scale(loss)`` if a scaler is given;
+    3. copy the 16-bit gradients up to fp32 ``.grad`` of ``master_params``;
+    4. ``scaler.step(optimizer)`` then ``scaler.update()`` (or ``optimizer.step()`` without scaler);
+    5. copy the master parameters back down into the 16-bit model.
+    """
+    model_lowp.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model_lowp)
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    grads_to_master(model_lowp, master_params)
+    if scaler is None:
+        optimizer.step()
+    else:  # unscales the master gradients, skips the step if one is inf/NaN, adjusts the scale
+        scaler.step(optimizer)
+        scaler.update()
+    master_to_model(model_lowp, master_params)
+    return float(loss.detach())
+
+
+# ---- autocast: which op ran in which dtype --------------------------------------------------
+
+
+class _RecordDtypes(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        if isinstance(first, torch.Tensor):
+            self.records.append((func.overloadpacket.__name__, first.dtype))
+        return out
+
+
+def autocast_dtypes(
+    model: Callable[..., Any], inputs: Sequence[Any], device_type: str, dtype: torch.dtype
+) -> list[tuple[str, torch.dtype]]:
+    """Run ``model(*inputs)`` under ``torch.autocast(device_type, dtype)``; list (aten op, output dtype) in call order.
+
+    The ops are seen below autocast, so the casts it inserts show up as ``_to_copy``.
+    """
+    mode = _RecordDtypes()
+    with torch.no_grad(), torch.autocast(device_type, dtype=dtype), mode:
+        model(*inputs)
+    return mode.records
+
+
+# ---- memory of a mixed-precision step (chapter 02's regimes) ---------------------------------
+
+
+def mixed_precision_bytes(num_params: float, optimizer: str = "adam", fp32_grads: bool = False) -> mm.MemoryBreakdown:
+    """Bytes of weights, gradients and optimizer state for mixed-precision training of ``num_params`` parameters.
+
+    16-bit weights (2 bytes), 16-bit gradients (2, or 4 with ``fp32_grads``), and in the optimizer
+    an fp32 master weight (4) plus 4 bytes per optimizer state (``memory_math.OPTIMIZER_STATES``).
+    """
+    if optimizer not in mm.OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {sorted(mm.OPTIMIZER_STATES)}")
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0, got {num_params}")
+    states = mm.OPTIMIZER_STATES[optimizer]
+    return mm.MemoryBreakdown(
+        params=2 * num_params,
+        grads=(4 if fp32_grads else 2) * num_params,
+        optimizer=(4 + 4 * states) * num_params,
+    )
