@@ -107,7 +107,7 @@ def test_cuda_prefetcher_falls_back_on_cpu() -> None:
     assert out[0]["b"][1] == 3 and torch.equal(out[0]["a"], torch.ones(2))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_cuda_prefetcher_on_gpu() -> None:
     loader = DataLoader(dp.SyntheticImages(10), batch_size=4)
     got = list(dp.CudaPrefetcher(loader, "cuda"))
