@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib.accumulation_checkpointing import split_micro_batches
 from course_lib.models import MLP
 from course_lib.optimizers import adam_step
 from course_lib.testing import NotDoneYet
@@ -49,14 +50,8 @@ def shard_batch(batch: torch.Tensor | Sequence[torch.Tensor], rank: int, world_s
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
-    n = tensors[0].shape[0]
-    if any(t.shape[0] != n for t in tensors):
-        raise ValueError(f"all tensors of a batch need the same length, got {[t.shape[0] for t in tensors]}")
-    if n % world_size:
-        raise ValueError(f"batch of {n} does not split into {world_size} equal shards")
-    per = n // world_size
-    shards = tuple(t[rank * per:(rank + 1) * per] for t in tensors)
+    # The same equal split as gradient accumulation's micro-batches (chapter 07), one part per rank.
+    shards = split_micro_batches((batch,) if isinstance(batch, torch.Tensor) else batch, world_size)[rank]
     return shards[0] if isinstance(batch, torch.Tensor) else shards
 
 
