@@ -68,10 +68,6 @@ class RankError(RuntimeError):
         self.ranks = ranks
 
 
-class _PortTaken(Exception):
-    """Rank 0 could not bind the port we picked: another process took it after we released it."""
-
-
 def backend_for(world_size: int) -> str:
     """``"nccl"`` when there is a CUDA device for every rank, else ``"gloo"`` (saying why when a GPU exists)."""
     if torch.cuda.is_available():
@@ -87,13 +83,6 @@ def rank_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _free_port() -> int:
-    """A TCP port that is free now (the OS picks it when we bind port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -157,6 +146,7 @@ def _worker(
     world_size: int,
     backend: str,
     port: int,
+    listener: socket.socket | None,
     timeout: float,
     payload: Any,
     conn: mpc.Connection,
@@ -187,13 +177,12 @@ def _worker(
         # thread pool hangs in its first parallel region (seen in layer_norm) when it asks for
         # more than one thread; and ranks share the cores anyway, so extra threads oversubscribe.
         torch.set_num_threads(1)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),
+        # Rank 0 serves the rendezvous store on the socket the parent bound (see _listening_socket).
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout),
+            master_listen_fd=listener.fileno() if listener is not None else None,
         )
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         phase = "run"
         result = pickle.dumps(_to_cpu(fn(*args, **kwargs)))
         phase = "destroy"
@@ -258,24 +247,34 @@ def launch(
         raise ValueError(f"launch: world_size must be at least 1, got {world_size}")
     backend = backend or backend_for(world_size)
     ctx, payload = _context_and_payload(fn, args, kwargs)
-    try:
-        return _launch_once(ctx, payload, world_size, backend, timeout)
-    except _PortTaken:
-        # The port was free when we picked it, but another process bound it before rank 0 did.
-        return _launch_once(ctx, payload, world_size, backend, timeout)
+    return _run_ranks(ctx, payload, world_size, backend, timeout)
 
 
-def _launch_once(ctx: Any, payload: Any, world_size: int, backend: str, timeout: float) -> list[Any]:
-    """Start the ranks on a fresh port, collect their reports, and always clean up."""
-    port = _free_port()
+def _listening_socket() -> socket.socket:
+    """A socket bound to a port the OS picks, already listening: rank 0 serves the rendezvous store on it.
+
+    Binding here, before any rank starts, leaves no window in which a concurrent launch (another
+    notebook, a parallel test) could take the same port and have the two runs' ranks join each
+    other's group.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+def _run_ranks(ctx: Any, payload: Any, world_size: int, backend: str, timeout: float) -> list[Any]:
+    """Start the ranks, collect their reports, and always clean up."""
     procs: list[Any] = []
     readers: list[mpc.Connection] = []
+    listener = _listening_socket()
+    port = listener.getsockname()[1]
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, backend, port, timeout, payload, writer),
+                args=(rank, world_size, backend, port, listener if rank == 0 else None, timeout, payload, writer),
                 name=f"course_lib.dist rank {rank}",
             )
             readers.append(reader)
@@ -284,8 +283,10 @@ def _launch_once(ctx: Any, payload: Any, world_size: int, backend: str, timeout:
             finally:
                 writer.close()  # the child holds its own copy; ours would only keep the pipe open
             procs.append(proc)
+        listener.close()  # rank 0 holds its own copy now
         return _collect(procs, readers, timeout)
     finally:
+        listener.close()
         _stop(procs)
         for reader in readers:
             reader.close()
@@ -346,9 +347,7 @@ def _drain(rank: int, reader: mpc.Connection) -> tuple | None:
 
 
 def _raise_failures(failures: dict[int, tuple[str, str, str]], still_running: list[int]) -> None:
-    """Raise ``RankError`` for the first failing rank, listing the others (or ``_PortTaken`` to retry)."""
-    if any(phase == "init" and "address already in use" in tb.lower() for phase, _, tb in failures.values()):
-        raise _PortTaken()
+    """Raise ``RankError`` for the first failing rank, listing the others."""
     first = next(iter(failures))
     _, summary, tb = failures[first]
     lines = [f"rank {first} {summary}"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 import warnings
 from typing import TypeVar
 
@@ -74,11 +75,30 @@ def triton_version() -> str | None:
     return triton.__version__
 
 
+def _gpu_description() -> str:
+    """GPU 0's name and memory, read through nvidia-smi so that CUDA is not initialised.
+
+    A process that has initialised CUDA can no longer fork ranks or workers that use the GPU,
+    and the banner is the first cell of every notebook.
+    """
+    if not torch.cuda.is_initialized():
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "-i", "0", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=10, check=True,
+            ).stdout
+            name, mib = (part.strip() for part in out.strip().rsplit(",", 1))
+            return f"{name} ({int(mib) / 1024:.0f} GiB)"
+        except (OSError, subprocess.SubprocessError, ValueError):
+            pass  # no nvidia-smi here: ask CUDA itself
+    props = torch.cuda.get_device_properties(0)
+    return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+
+
 def banner() -> str:
     """One line saying what this process runs on: device, torch, triton and its mode."""
     if HAS_GPU:
-        props = torch.cuda.get_device_properties(0)
-        where = f"{props.name} ({props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs)"
+        where = _gpu_description()
     else:
         where = f"CPU ({torch.get_num_threads()} threads)"
     tv = triton_version()
