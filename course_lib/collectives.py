@@ -15,17 +15,29 @@ The alpha-beta cost model (``allreduce_steps``, ``allreduce_bytes_per_rank``, ``
 ``fit_alpha_beta``, ``algorithm_bandwidth``, ``bus_bandwidth``) runs anywhere. ``rank_input`` and
 ``check_collective`` are the chapter's test harness: they run a function on several ranks and
 compare it with PyTorch's own collective and with a single-process reference.
+
+Run as a script on several GPUs (or gloo CPU ranks with ``--small``), it checks every collective
+against the single-process reference and ``dist.all_reduce``, then times them:
+
+    torchrun --nproc_per_node 4 -m course_lib.collectives [--small]
+
+``report_check``, ``report_result`` and ``set_nccl_env_defaults`` are shared by the torchrun
+entries of the distributed chapters.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 ALGORITHMS = ("naive", "direct", "ring", "tree")
 
@@ -53,13 +65,24 @@ def _me() -> tuple[int, int]:
 
 def _exchange(send: torch.Tensor | None, to: int, recv: torch.Tensor | None, frm: int) -> None:
     """Send ``send`` to rank ``to`` while receiving into ``recv`` from rank ``frm``; empty tensors are skipped."""
-    requests = []
+    ops = []
     if recv is not None and recv.numel() > 0:
-        requests.append(dist.irecv(recv, frm))
+        ops.append(dist.P2POp(dist.irecv, recv, frm))
     if send is not None and send.numel() > 0:
-        requests.append(dist.isend(send.contiguous(), to))
-    for req in requests:
-        req.wait()
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), to))
+    _post_together(ops)
+
+
+def _post_together(ops: list[dist.P2POp]) -> None:
+    """Start ``ops`` as one batch and wait for them all.
+
+    Under NCCL a lone irecv and isend to the same peer share one stream, so two ranks that both
+    receive first would wait for each other forever; a batch (``batch_isend_irecv``) runs them as
+    one grouped operation. Under gloo the batch is the same isend/irecv calls.
+    """
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,20 +187,14 @@ def all_gather_p2p(t: torch.Tensor) -> list[torch.Tensor]:
 def reduce_scatter_p2p(t: torch.Tensor) -> torch.Tensor:
     """Rank r's chunk ``tensor_split(sum over ranks of t, world)[r]``: each rank sends chunk j straight to rank j.
 
-    All sends and receives are posted at once (isend/irecv), so no ordering can deadlock.
+    All sends and receives are posted at once (one batch of isend/irecv), so no ordering can deadlock.
     """
     rank, world = _me()
     chunks = torch.tensor_split(t, world)
     bufs = {src: torch.empty_like(chunks[rank], memory_format=torch.contiguous_format) for src in range(world) if src != rank}
-    requests = []
-    for src, buf in bufs.items():
-        if buf.numel() > 0:
-            requests.append(dist.irecv(buf, src))
-    for dst in range(world):
-        if dst != rank and chunks[dst].numel() > 0:
-            requests.append(dist.isend(chunks[dst].contiguous(), dst))
-    for req in requests:
-        req.wait()
+    ops = [dist.P2POp(dist.irecv, buf, src) for src, buf in bufs.items() if buf.numel() > 0]
+    ops += [dist.P2POp(dist.isend, chunks[dst].contiguous(), dst) for dst in range(world) if dst != rank and chunks[dst].numel() > 0]
+    _post_together(ops)
     total = None
     for src in range(world):
         part = chunks[rank] if src == rank else bufs[src]
@@ -625,3 +642,142 @@ def ping_pong(t: torch.Tensor) -> None:
     elif rank == 1:
         dist.recv(t, 0)
         dist.send(t, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Running under torchrun: checks and results printed by rank 0 (shared by chapters 11-16)
+# --------------------------------------------------------------------------------------------
+
+# NVLink multicast (NVLS) and symmetric memory stay off on the course's GPU hosts.
+NCCL_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def set_nccl_env_defaults() -> dict[str, str]:
+    """Set ``NCCL_ENV_DEFAULTS`` where the environment does not already say otherwise (call before init); return the values in force."""
+    for key, value in NCCL_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in NCCL_ENV_DEFAULTS}
+
+
+def _tensors_of(x: Any) -> list[torch.Tensor]:
+    """The tensors in ``x``: itself, those in a list, or a module's parameters and their gradients."""
+    if isinstance(x, nn.Module):
+        return [t for p in x.parameters() for t in (p, p.grad) if t is not None]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors_of(v)]
+    return [x]
+
+
+def max_abs_error(actual: Any, expected: Any) -> float:
+    """Largest ``|actual - expected|`` over tensors, lists of tensors, or two modules (parameters and gradients)."""
+    worst = 0.0
+    for a, e in zip(_tensors_of(actual), _tensors_of(expected)):
+        if a.numel():
+            diff = a.detach().cpu().to(torch.float64) - e.detach().cpu().to(torch.float64)
+            worst = max(worst, float(diff.abs().max()))
+    return worst
+
+
+def report_check(name: str, actual: Any, expected: Any, *, rtol: float | None = None, atol: float | None = None) -> float:
+    """Assert that a parallel result equals its single-process reference on this rank; rank 0 prints ``CHECK <name> ok max_abs_err=<x>``.
+
+    Every rank must call it for every check (the error is maximised over the ranks with an
+    all-reduce). Returns that maximum.
+    """
+    from course_lib.dist import assert_matches_reference, rank_device
+
+    assert_matches_reference(actual, expected, name=name, rtol=rtol, atol=atol)
+    worst = torch.tensor([max_abs_error(actual, expected)], dtype=torch.float64, device=rank_device())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"CHECK {name} ok max_abs_err={worst.item():.3g}", flush=True)
+    return worst.item()
+
+
+def report_result(result: dict[str, Any]) -> None:
+    """Rank 0 prints ``RESULT <json>`` on one line: what a torchrun entry measured."""
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def parse_torchrun_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line of a chapter's torchrun entry: ``--small`` for tiny sizes (gloo CPU ranks in CI)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--small", action="store_true", help="tiny sizes, for gloo ranks on a CPU")
+    return parser.parse_args(argv)
+
+
+_P2P_COLLECTIVES: dict[str, Callable[..., Any]] = {
+    "broadcast": broadcast_p2p,
+    "scatter": scatter_p2p,
+    "gather": gather_p2p,
+    "reduce": reduce_p2p,
+    "all_gather": all_gather_p2p,
+    "reduce_scatter": reduce_scatter_p2p,
+    "ring_reduce_scatter": ring_reduce_scatter,
+    "ring_all_gather": ring_all_gather,
+}
+
+
+def _check_everything(small: bool) -> None:
+    """In a rank: every collective against the single-process reference, the ring against ``dist.all_reduce``, then timings."""
+    from course_lib.dist import rank_device
+
+    rank, world = _me()
+    device = rank_device()
+    lengths = [4 * world, 4 * world + 1, 1000 * world + 1] if small else [4 * world + 1, 2**20 + 1, 2**22 + world - 1]
+    for i, length in enumerate(lengths):
+        inputs = [rank_input(i, r, length) for r in range(world)]
+        x = inputs[rank].to(device)
+        ours, theirs = ring_all_reduce(x.clone()), x.clone()
+        dist.all_reduce(theirs)
+        tol = {"rtol": 1e-5, "atol": 1e-5 * world}
+        report_check(f"ring_all_reduce n={length} vs single-process sum", ours, expected_result("all_reduce", inputs)[rank], **tol)
+        report_check(f"ring_all_reduce n={length} vs dist.all_reduce", ours, theirs, **tol)
+    root = world - 1
+    for name, fn in _P2P_COLLECTIVES.items():
+        for seed, length in enumerate(lengths[:2]):
+            [(mine, _)] = _rank_cases(fn, name, [(seed, length, torch.float32, root, 0)], False)
+            want = expected_result(name, [rank_input(seed, r, length) for r in range(world)], root)[rank]
+            if want is None or (isinstance(want, str) and want == ANY):  # not the root: nothing to compare
+                mine, want = [], []
+            report_check(f"{fn.__name__} n={length} root={root} vs single-process", mine, want, rtol=1e-5, atol=1e-5 * world)
+    report_result(_all_reduce_timings(small, device))
+
+
+def _all_reduce_timings(small: bool, device: torch.device) -> dict[str, Any]:
+    """In a rank: ping-pong, the ring and ``dist.all_reduce`` timed against size (slowest rank, fastest repeat), alpha-beta fit."""
+    world = dist.get_world_size()
+    sizes = [2**k for k in range(10, 17, 2)] if small else [2**k for k in range(10, 27, 2)]
+    repeat = 3 if small else 10
+    times: dict[str, list[float]] = {"ping_pong_s": [], "ring_all_reduce_s": [], "dist_all_reduce_s": []}
+    for n_bytes in sizes:
+        t = torch.zeros(n_bytes // 4, device=device)  # zeros stay zeros however often they are summed
+        times["ping_pong_s"].append(min(time_in_ranks(ping_pong, t, repeat)) / 2)
+        times["ring_all_reduce_s"].append(min(time_in_ranks(ring_all_reduce, t, repeat)))
+        times["dist_all_reduce_s"].append(min(time_in_ranks(dist.all_reduce, t, repeat)))
+    alpha, beta = fit_alpha_beta(sizes, times["ping_pong_s"])
+    big = sizes[-1]
+    return {
+        "world_size": world,
+        "backend": dist.get_backend(),
+        "sizes_bytes": sizes,
+        **times,
+        "ping_pong_alpha_s": alpha,
+        "ping_pong_bandwidth_GBps": 1 / beta / 1e9 if beta > 0 else None,
+        "ring_busbw_GBps_largest": bus_bandwidth(big, times["ring_all_reduce_s"][-1], world) / 1e9,
+        "dist_busbw_GBps_largest": bus_bandwidth(big, times["dist_all_reduce_s"][-1], world) / 1e9,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry for ``torchrun --nproc_per_node N -m course_lib.collectives [--small]`` (needs N >= 2)."""
+    from course_lib.dist import run_as_script
+
+    args = parse_torchrun_args("Check the chapter-11 collectives on N ranks and time them.", argv)
+    set_nccl_env_defaults()
+    run_as_script(_check_everything, args.small)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,11 +19,18 @@ single-device module (``from_linear`` / ``from_module``), so a test can run both
 
 Construction needs no process group (rank and world size are arguments); ``forward`` does.
 Everything takes an optional ``group`` (default: the whole world) for use with device meshes.
+
+On several GPUs (or gloo CPU ranks with ``--small``) the module checks every parallel layer,
+forward and backward, against the single-device module, and counts and times a block:
+
+    torchrun --nproc_per_node 4 -m course_lib.tensor_parallel [--small]
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -616,3 +623,105 @@ def regroup_qkv_for_sharding(attn: models.CausalSelfAttention, world_size: int) 
         if attn.qkv.bias is not None:
             attn.qkv.bias.copy_(torch.cat(pieces_b))
     return attn
+
+
+# --------------------------------------------------------------------------------------------
+# torchrun entry: every parallel layer against the single-device module, forward and backward
+# --------------------------------------------------------------------------------------------
+
+
+def _grads_as_module(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters hold ``module``'s gradients (shard it to get the expected shard gradients)."""
+    grads = copy.deepcopy(module)
+    with torch.no_grad():
+        for g, p in zip(grads.parameters(), module.parameters()):
+            g.copy_(p.grad)
+    return grads
+
+
+def check_sharded(name: str, module: nn.Module, shard_fn: Callable[[nn.Module], nn.Module], x: torch.Tensor) -> None:
+    """In a rank: ``shard_fn(module)`` against ``module``: output, input gradient, and the shard's parameters and gradients.
+
+    Both run forward and backward with the same random upstream gradient. The expected shard
+    gradients are ``shard_fn`` applied to a copy of ``module`` that holds its gradients.
+    """
+    from course_lib.collectives import report_check
+
+    reference = copy.deepcopy(module)
+    shard = shard_fn(reference)
+    x_ref, x_par = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_ref = reference(x_ref)
+    dy = torch.randn(y_ref.shape, dtype=y_ref.dtype, generator=torch.Generator().manual_seed(1)).to(y_ref.device)
+    y_ref.backward(dy)
+    y = shard(x_par)
+    y.backward(dy)
+    expected = shard_fn(reference)
+    for p, g in zip(expected.parameters(), shard_fn(_grads_as_module(reference)).parameters()):
+        p.grad = g.detach()
+    tol = {"rtol": 1e-9, "atol": 1e-11}  # float64: only the order of the additions differs
+    report_check(f"{name}: forward", y, y_ref, **tol)
+    report_check(f"{name}: input gradient", x_par.grad, x_ref.grad, **tol)
+    report_check(f"{name}: shard parameters and gradients", shard, expected, **tol)
+
+
+def _check_everything(small: bool) -> None:
+    """In a rank: column/row-parallel linear, MLP, attention and block against the single-device modules; then bytes and times."""
+    from course_lib.collectives import report_result
+    from course_lib.dist import rank_device
+
+    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    cfg = models.GPTConfig(d_model=32, n_head=8, seq_len=8) if small else models.GPTConfig(d_model=1024, n_head=16, seq_len=256)
+    b, s, h = (2 if small else 4), cfg.seq_len, cfg.d_model
+    block = models.GPT(cfg, seed=0).blocks[0].to(device, torch.float64)
+    x = torch.randn(b, s, h, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
+    x_wide = torch.randn(b, s, cfg.d_ff, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(device)
+    check_sharded("ColumnParallelLinear (gather_output)", block.mlp.fc,
+                  lambda m: ColumnParallelLinear.from_linear(m, rank, world, gather_output=True), x)
+    check_sharded("RowParallelLinear (full input)", block.mlp.proj,
+                  lambda m: RowParallelLinear.from_linear(m, rank, world, input_is_parallel=False), x_wide)
+    check_sharded("ParallelMLP", block.mlp, lambda m: ParallelMLP.from_module(m, rank, world), x)
+    check_sharded("ParallelAttention", block.attn, lambda m: ParallelAttention.from_module(m, rank, world), x)
+    check_sharded("ParallelBlock", block, lambda m: ParallelBlock.from_module(m, rank, world), x)
+    report_result({"world_size": world, "backend": dist.get_backend(), **_block_measurements(block.float(), x.float())})
+
+
+def _block_measurements(block: models.Block, x: torch.Tensor) -> dict[str, Any]:
+    """In a rank: all-reduce calls and bytes of one block's forward and backward (against the formula), and fp32 times."""
+    from course_lib.collectives import time_in_ranks
+
+    b, s, h = x.shape
+    shard = ParallelBlock.from_module(block)
+    x_par = x.clone().requires_grad_(True)
+    with count_collectives() as fwd:
+        y = shard(x_par)
+    with count_collectives() as bwd:
+        y.sum().backward()
+
+    def fwd_bwd(module: nn.Module) -> Callable[[torch.Tensor], None]:
+        return lambda t: module(t.requires_grad_(True)).sum().backward()
+
+    times = {name: statistics.median(time_in_ranks(fwd_bwd(m), x.clone(), repeat=5, warmup=2)) * 1e3
+             for name, m in (("single_device", block), ("tensor_parallel", shard))}
+    return {
+        "block": {"b": b, "s": s, "h": h, "dtype": "float32"},
+        "forward_all_reduces": fwd.count("all_reduce"),
+        "forward_bytes": fwd.bytes(),
+        "backward_all_reduces": bwd.count("all_reduce"),
+        "backward_bytes": bwd.bytes(),
+        "formula_bytes": tp_comm_bytes_per_layer(b, s, h, x.dtype),
+        "fwd_bwd_ms": times,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry for ``torchrun --nproc_per_node N -m course_lib.tensor_parallel [--small]`` (N must divide the head count)."""
+    from course_lib.collectives import parse_torchrun_args, set_nccl_env_defaults
+    from course_lib.dist import run_as_script
+
+    args = parse_torchrun_args("Check the chapter-13 tensor-parallel layers on N ranks.", argv)
+    set_nccl_env_defaults()
+    run_as_script(_check_everything, args.small)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -226,3 +232,31 @@ def test_bandwidths_follow_nccl_tests() -> None:
         C.bus_bandwidth(1e9, 0.0, 8)
     with pytest.raises(ValueError):
         C.bus_bandwidth(1e9, 0.01, 8, "all_to_all")
+
+
+# ---- the torchrun entry -------------------------------------------------------------------------
+
+
+def _torchrun(module: str, *args: str, timeout: float = 120) -> tuple[list[str], dict]:
+    """Run ``torchrun --standalone --nproc_per_node 2 -m module --small`` (gloo, CPU); return its CHECK names and RESULT."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", module, "--small", *args],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    checks = re.findall(r"^CHECK (.+) ok max_abs_err=\S+$", run.stdout, flags=re.MULTILINE)
+    [result] = [json.loads(line.removeprefix("RESULT ")) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    return checks, result
+
+
+def test_torchrun_entry_checks_every_collective_and_times_them() -> None:
+    checks, result = _torchrun("course_lib.collectives")
+    assert sum("ring_all_reduce n=" in c for c in checks) == 6  # three lengths, two of them not divisible by 2
+    for name in ("broadcast_p2p", "scatter_p2p", "gather_p2p", "reduce_p2p", "all_gather_p2p",
+                 "reduce_scatter_p2p", "ring_reduce_scatter", "ring_all_gather"):
+        assert any(c.startswith(name + " ") for c in checks), (name, checks)
+    assert result["world_size"] == 2 and result["backend"] == "gloo"
+    n = len(result["sizes_bytes"])
+    assert all(len(result[k]) == n and min(result[k]) > 0 for k in ("ping_pong_s", "ring_all_reduce_s", "dist_all_reduce_s"))

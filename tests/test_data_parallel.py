@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -149,3 +156,32 @@ def test_timeline_records_overlap() -> None:
     assert kinds.count("all-reduce") >= 2 and "backward" in kinds
     (bwd,) = [s for s in spans if s[0] == "backward"]
     assert min(s[2] for s in spans if s[0] == "all-reduce") < bwd[3]  # the first bucket starts before backward ends
+
+
+# ---- the torchrun entry -------------------------------------------------------------------------
+
+
+def _torchrun(module: str, *args: str, timeout: float = 120) -> tuple[list[str], dict]:
+    """Run ``torchrun --standalone --nproc_per_node 2 -m module --small`` (gloo, CPU); return its CHECK names and RESULT."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", module, "--small", *args],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    checks = re.findall(r"^CHECK (.+) ok max_abs_err=\S+$", run.stdout, flags=re.MULTILINE)
+    [result] = [json.loads(line.removeprefix("RESULT ")) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    return checks, result
+
+
+def test_torchrun_entry_checks_ddp_and_zero_against_single_process_and_torch() -> None:
+    checks, result = _torchrun("course_lib.data_parallel")
+    for expected in ("naive sgd", "bucketed sgd", "torch_ddp sgd", "naive adam", "bucketed adam",
+                     "zero1 adam MLP[6, 10, 4]: params vs single-process Adam",
+                     "zero1 adam MLP[6, 10, 4]: params vs torch ZeroRedundancyOptimizer"):
+        assert any(c.startswith(expected) for c in checks), (expected, checks)
+    assert any("vs torch DDP" in c for c in checks)
+    assert result["world_size"] == 2 and set(result["step_ms"]) == {"compute_only", "naive", "bucketed", "torch_ddp"}
+    states = result["optimizer_state_bytes_per_rank"]
+    assert states["zero1"] < states["adam_single_process"]  # two moments of half the parameters, padded

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -261,3 +268,29 @@ def test_student_or_reference_falls_back_only_when_not_implemented(capsys: pytes
     assert "Todo is not done yet" in capsys.readouterr().out
     assert tp.student_or_reference(NeedsGroup, tp.ParallelMLP, lambda c: c.build()) is NeedsGroup
     assert capsys.readouterr().out == ""
+
+
+# ---- the torchrun entry -------------------------------------------------------------------------
+
+
+def _torchrun(module: str, *args: str, timeout: float = 120) -> tuple[list[str], dict]:
+    """Run ``torchrun --standalone --nproc_per_node 2 -m module --small`` (gloo, CPU); return its CHECK names and RESULT."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", module, "--small", *args],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    checks = re.findall(r"^CHECK (.+) ok max_abs_err=\S+$", run.stdout, flags=re.MULTILINE)
+    [result] = [json.loads(line.removeprefix("RESULT ")) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    return checks, result
+
+
+def test_torchrun_entry_checks_every_layer_forward_and_backward() -> None:
+    checks, result = _torchrun("course_lib.tensor_parallel")
+    for layer in ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention", "ParallelBlock"):
+        assert [c.split(": ")[1] for c in checks if c.startswith(layer)] == [
+            "forward", "input gradient", "shard parameters and gradients"], (layer, checks)
+    assert (result["forward_all_reduces"], result["backward_all_reduces"]) == (2, 2)
+    assert (result["forward_bytes"], result["backward_bytes"]) == tuple(result["formula_bytes"].values())
