@@ -1,0 +1,575 @@
+"""Context (sequence) parallelism: attention over a sequence split across ranks (chapter 15).
+
+Each of P ranks holds N/P of the queries, keys and values. Attention needs every query to see
+every (visible) key, so the K/V blocks travel round a ring of ranks while each rank folds them
+into its own output with the logsumexp merge of FlashAttention (Liu et al., 2023, Ring Attention):
+
+- ``merge_partials``: combine any number of partial attentions over disjoint key sets by their
+  logsumexps; rows that saw no key at all (lse = -inf) are handled without NaN.
+- ``ring_shift``: send tensors to the next rank and receive the previous rank's, asynchronously.
+- ``ring_attention_forward`` / ``ring_attention`` (autograd): the ring, non-causal or causal,
+  with the contiguous layout or the load-balanced zigzag layout (rank i holds chunks i and 2P-1-i);
+  the backward pass goes round the ring too, dK/dV travelling with their K/V block.
+- ``allgather_attention_forward``: the alternative that all-gathers K and V first.
+- ``zigzag_indices`` / ``zigzag_shard`` / ``zigzag_unshard``, ``ring_step_work`` and
+  ``causal_work_per_rank``: layouts and the causal work they give each rank.
+- ``kv_comm_bytes`` / ``kv_buffer_bytes`` / ``count_received_bytes``: communication and memory.
+
+Run ``torchrun --nproc_per_node N -m course_lib.context_parallel [--small]`` to check every
+algorithm against full attention on N ranks and print the chapter's measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from course_lib.attention import naive_attention, tiled_attention, tiled_attention_backward
+from course_lib.data_parallel import Timeline
+
+__all__ = [
+    "LAYOUTS",
+    "RingAttention",
+    "allgather_attention_forward",
+    "block_attention",
+    "causal_work_per_rank",
+    "chunk_pair_kind",
+    "contiguous_indices",
+    "count_received_bytes",
+    "kv_buffer_bytes",
+    "kv_comm_bytes",
+    "layout_indices",
+    "merge_partials",
+    "ring_attention",
+    "ring_attention_forward",
+    "ring_shift",
+    "ring_step_work",
+    "score_matrix_bytes",
+    "shard_sequence",
+    "zigzag_indices",
+    "zigzag_shard",
+    "zigzag_unshard",
+]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp64 stays fp64, everything else is computed in fp32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory of full attention
+# --------------------------------------------------------------------------------------------
+
+
+def score_matrix_bytes(batch: int, heads: int, n_q: int, n_k: int, dtype: torch.dtype) -> int:
+    """Bytes of one (batch, heads, n_q, n_k) score (or probability) matrix in ``dtype``."""
+    return batch * heads * n_q * n_k * torch.empty((), dtype=dtype).element_size()
+
+
+# --------------------------------------------------------------------------------------------
+# Partial attentions and their merge
+# --------------------------------------------------------------------------------------------
+
+
+def merge_partials(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine partial attentions over disjoint key sets, given as outputs (..., n, d) and logsumexps (..., n).
+
+    The merged lse is logsumexp over the parts; part i's output is weighted by exp(lse_i - lse).
+    A row whose every part has lse = -inf (it saw no key) comes out as zeros with lse = -inf.
+    Returns the output in ``outs[0]``'s dtype and the lse in fp32 (fp64 for fp64 outputs).
+    """
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(f"need as many lses as outputs, at least one; got {len(outs)} outputs and {len(lses)} lses")
+    dt = _acc(outs[0])
+    stacked = torch.stack([lse.to(dt) for lse in lses])
+    lse = torch.logsumexp(stacked, dim=0)
+    # Rows that saw nothing: subtract 0 instead of -inf, so every weight is exp(-inf) = 0, not NaN.
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(stacked - safe)
+    out = sum(w[..., None] * o.to(dt) for w, o in zip(weights, outs))
+    return out.to(outs[0].dtype), lse
+
+
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, lse) of ``q`` attending to one K/V block, in fp32 (fp64 for fp64): chapter 10's tiled attention as one tile.
+
+    ``causal`` masks key j > query i by position within the block: right for a block on the diagonal,
+    where queries and keys are the same positions.
+    """
+    dt = _acc(q)
+    return tiled_attention(q.to(dt), k.to(dt), v.to(dt), causal=causal,
+                           block_q=max(1, q.shape[-2]), block_k=max(1, k.shape[-2]), scale=_scale(q, scale))
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts: which positions each rank holds
+# --------------------------------------------------------------------------------------------
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+
+
+def contiguous_indices(n: int, rank: int, world_size: int) -> torch.Tensor:
+    """Positions rank ``rank`` holds when a length-``n`` sequence is cut into ``world_size`` equal consecutive pieces."""
+    _check_rank(rank, world_size)
+    if n % world_size:
+        raise ValueError(f"sequence length n={n} must be divisible by world_size={world_size}")
+    m = n // world_size
+    return torch.arange(rank * m, (rank + 1) * m)
+
+
+def zigzag_indices(n: int, rank: int, world_size: int) -> torch.Tensor:
+    """Positions rank ``rank`` holds in the zigzag layout: chunks ``rank`` and ``2P-1-rank`` of 2P equal chunks."""
+    _check_rank(rank, world_size)
+    if n % (2 * world_size):
+        raise ValueError(f"sequence length n={n} must be divisible by 2 * world_size = {2 * world_size} for the zigzag layout")
+    c = n // (2 * world_size)
+    first, second = rank, 2 * world_size - 1 - rank
+    return torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
+
+
+def layout_indices(layout: str, n: int, rank: int, world_size: int) -> torch.Tensor:
+    """``contiguous_indices`` or ``zigzag_indices`` by name."""
+    if layout == "contiguous":
+        return contiguous_indices(n, rank, world_size)
+    if layout == "zigzag":
+        return zigzag_indices(n, rank, world_size)
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def shard_sequence(x: torch.Tensor, rank: int, world_size: int, layout: str = "contiguous") -> torch.Tensor:
+    """Rank ``rank``'s positions of ``x`` (..., n, d) along the sequence dimension (-2)."""
+    return x.index_select(-2, layout_indices(layout, x.shape[-2], rank, world_size).to(x.device))
+
+
+def zigzag_shard(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s zigzag shard of ``x`` (..., n, d)."""
+    return shard_sequence(x, rank, world_size, "zigzag")
+
+
+def zigzag_unshard(shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The full sequence (..., n, d) from the zigzag shards of ranks 0..P-1, in rank order."""
+    if len(shards) == 0:
+        raise ValueError("need at least one shard")
+    shape = shards[0].shape
+    if any(s.shape != shape for s in shards):
+        raise ValueError(f"all shards must have the same shape, got {[tuple(s.shape) for s in shards]}")
+    p = len(shards)
+    n = shape[-2] * p
+    out = shards[0].new_empty(shape[:-2] + (n, shape[-1]))
+    for rank, s in enumerate(shards):
+        out[..., zigzag_indices(n, rank, p).to(s.device), :] = s
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Causal work per rank
+# --------------------------------------------------------------------------------------------
+
+
+def chunk_pair_kind(q_chunk: int, k_chunk: int) -> str:
+    """How a causal mask treats queries of chunk ``q_chunk`` against keys of chunk ``k_chunk`` (equal chunks).
+
+    "full": every key is earlier (k_chunk < q_chunk); "diagonal": the same chunk, lower triangle;
+    "skip": every key is later (k_chunk > q_chunk), nothing to compute.
+    """
+    if k_chunk < q_chunk:
+        return "full"
+    return "diagonal" if k_chunk == q_chunk else "skip"
+
+
+def _chunks_of(layout: str, rank: int, world_size: int) -> tuple[int, ...]:
+    """Chunk ids rank ``rank`` holds: (rank,) of P chunks, or (rank, 2P-1-rank) of 2P chunks."""
+    if layout == "contiguous":
+        return (rank,)
+    if layout == "zigzag":
+        return (rank, 2 * world_size - 1 - rank)
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def ring_step_work(n: int, world_size: int, layout: str) -> np.ndarray:
+    """(step, rank) array: causal (query, key) pairs rank r computes at ring step s, on the K/V block of rank (r - s) mod P."""
+    work = np.zeros((world_size, world_size), dtype=np.int64)
+    for rank in range(world_size):
+        q_pos = layout_indices(layout, n, rank, world_size)
+        for step in range(world_size):
+            k_pos = layout_indices(layout, n, (rank - step) % world_size, world_size)
+            work[step, rank] = int((k_pos[None, :] <= q_pos[:, None]).sum())
+    return work
+
+
+def causal_work_per_rank(n: int, world_size: int, layout: str) -> list[int]:
+    """Causal (query, key) pairs with key <= query that each rank's queries need, for a layout."""
+    return [int((layout_indices(layout, n, r, world_size) + 1).sum()) for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------------------------
+# Point-to-point exchange round the ring, with a byte counter
+# --------------------------------------------------------------------------------------------
+
+
+class _Counter:
+    """Bytes that arrived at this rank from other ranks inside ``count_received_bytes``."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
+_COUNTERS: list[_Counter] = []
+
+
+@contextlib.contextmanager
+def count_received_bytes() -> Iterator[_Counter]:
+    """Inside: ``ring_shift`` and ``allgather_attention_forward`` add the bytes each rank receives to ``.bytes``."""
+    counter = _Counter()
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+def _count(n_bytes: int) -> None:
+    for c in _COUNTERS:
+        c.bytes += n_bytes
+
+
+class _Pending:
+    """Receives in flight; ``wait()`` returns the received tensors."""
+
+    def __init__(self, works: list[Any], received: list[torch.Tensor]) -> None:
+        self.works, self.received = works, received
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self.works:
+            w.wait()
+        return self.received
+
+
+def ring_shift(tensors: Sequence[torch.Tensor]) -> _Pending:
+    """Start sending ``tensors`` to rank+1 and receiving same-shaped tensors from rank-1; ``.wait()`` returns them.
+
+    Uses ``dist.batch_isend_irecv``, which NCCL needs when a rank sends to and receives from
+    the same peer (2 ranks). With one rank, "received" is the input itself.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 1:
+        return _Pending([], list(tensors))
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), (rank + 1) % world) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, (rank - 1) % world) for r in received]
+    works = dist.batch_isend_irecv(ops)
+    _count(sum(r.numel() * r.element_size() for r in received))
+    return _Pending(works, received)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Ring attention: forward
+# --------------------------------------------------------------------------------------------
+
+
+def _split_chunks(x: torch.Tensor, n_chunks: int) -> list[torch.Tensor]:
+    if x.shape[-2] % n_chunks:
+        raise ValueError(f"local sequence length {x.shape[-2]} must be divisible by {n_chunks} chunks")
+    return list(x.split(x.shape[-2] // n_chunks, dim=-2))
+
+
+def _pairs(layout: str, rank: int, src: int, world: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """(query chunk index, key chunk index, diagonal?) of the chunk pairs to compute at one ring step."""
+    mine, theirs = _chunks_of(layout, rank, world), _chunks_of(layout, src, world)
+    pairs = []
+    for qi, a in enumerate(mine):
+        for ki, b in enumerate(theirs):
+            kind = chunk_pair_kind(a, b) if causal else "full"
+            if kind != "skip":
+                pairs.append((qi, ki, kind == "diagonal"))
+    return pairs
+
+
+def ring_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    overlap: bool = True,
+    timeline: Timeline | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (output, lse) of attention over the whole sequence; call in every rank with its local q, k, v (..., n/P, d).
+
+    K/V blocks go round the ring (rank r receives from r-1, sends to r+1); each rank folds every
+    block into its (output, lse) with ``merge_partials``. ``causal`` masks by global position
+    for the ``layout`` the shards were cut with (skipping chunk pairs entirely in the future).
+    ``overlap`` starts receiving the next block before computing on the current one; a
+    ``timeline`` records "compute" and "wait" spans. Output in q's dtype, lse in fp32/fp64.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_chunks = len(_chunks_of(layout, rank, world))
+    sc = _scale(q, scale)
+    q_chunks = _split_chunks(q, n_chunks)
+    dt = _acc(q)
+    outs = [torch.zeros(c.shape[:-1] + (v.shape[-1],), dtype=dt, device=q.device) for c in q_chunks]
+    lses = [torch.full(c.shape[:-1], float("-inf"), dtype=dt, device=q.device) for c in q_chunks]
+    kv = [k.contiguous(), v.contiguous()]
+    for step in range(world):
+        last = step == world - 1
+        pending = ring_shift(kv) if overlap and not last else None
+        start = time.perf_counter()
+        k_chunks, v_chunks = _split_chunks(kv[0], n_chunks), _split_chunks(kv[1], n_chunks)
+        for qi, ki, diagonal in _pairs(layout, rank, (rank - step) % world, world, causal):
+            o, lse = block_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], causal=diagonal, scale=sc)
+            outs[qi], lses[qi] = merge_partials([outs[qi], o], [lses[qi], lse])
+        if timeline is not None:
+            _sync(q.device)
+            timeline.add("compute", f"step {step}", start, time.perf_counter())
+        if not last:
+            start = time.perf_counter()
+            kv = (pending or ring_shift(kv)).wait()
+            if timeline is not None:
+                _sync(q.device)
+                timeline.add("wait", f"step {step}", start, time.perf_counter())
+    return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Ring attention: backward, and the autograd Function
+# --------------------------------------------------------------------------------------------
+
+
+def _ring_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+    causal: bool, layout: str, scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of this rank's shards: K/V go round the ring again, each with its dK/dV accumulator.
+
+    At step s a rank holds block (r - s) mod P and that block's dK/dV so far; it adds its queries'
+    contribution and passes (K, V, dK, dV) on. After P steps the accumulators have visited every
+    rank, and one last shift brings each home.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_chunks = len(_chunks_of(layout, rank, world))
+    sc = _scale(q, scale)
+    dt = _acc(q)
+    qc, oc, dc = (_split_chunks(t.to(dt), n_chunks) for t in (q, out, dout))
+    lc = list(lse.to(dt).split(q.shape[-2] // n_chunks, dim=-1))
+    dq = [torch.zeros_like(c) for c in qc]
+    kv = [k.to(dt).contiguous(), v.to(dt).contiguous()]
+    dkv = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]
+    for step in range(world):
+        last = step == world - 1
+        pending_kv = None if last else ring_shift(kv)  # K/V do not change: send them on while computing
+        kc, vc = _split_chunks(kv[0], n_chunks), _split_chunks(kv[1], n_chunks)
+        dkc, dvc = _split_chunks(dkv[0], n_chunks), _split_chunks(dkv[1], n_chunks)
+        for qi, ki, diagonal in _pairs(layout, rank, (rank - step) % world, world, causal):
+            gq, gk, gv = tiled_attention_backward(qc[qi], kc[ki], vc[ki], oc[qi], lc[qi], dc[qi], causal=diagonal,
+                                                  block_k=max(1, kc[ki].shape[-2]), scale=sc)
+            dq[qi] += gq
+            dkc[ki] += gk  # views into dkv: accumulate in place
+            dvc[ki] += gv
+        dkv = ring_shift(dkv).wait()  # the accumulators only after this step's contribution
+        if not last:
+            kv = pending_kv.wait()
+    return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention as an autograd Function: ``RingAttention.apply(q, k, v, causal, layout, scale)`` -> output."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                layout: str = "contiguous", scale: float | None = None) -> torch.Tensor:
+        out, lse = ring_attention_forward(q, k, v, causal=causal, layout=layout, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (causal, layout, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, *ctx.options)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                   layout: str = "contiguous", scale: float | None = None) -> torch.Tensor:
+    """Differentiable ring attention of this rank's shards (see ``ring_attention_forward``)."""
+    return RingAttention.apply(q, k, v, causal, layout, scale)
+
+
+# --------------------------------------------------------------------------------------------
+# The alternative: all-gather K and V
+# --------------------------------------------------------------------------------------------
+
+
+def allgather_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+    layout: str = "contiguous", scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (output, lse) after all-gathering the whole K and V (every rank then holds all of them)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ks = [torch.empty_like(k) for _ in range(world)]
+    vs = [torch.empty_like(v) for _ in range(world)]
+    dist.all_gather(ks, k.contiguous())
+    dist.all_gather(vs, v.contiguous())
+    _count((world - 1) * (k.numel() * k.element_size() + v.numel() * v.element_size()))
+    n = k.shape[-2] * world
+    positions = [layout_indices(layout, n, r, world).to(q.device) for r in range(world)]
+    k_all, v_all, k_pos = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), torch.cat(positions)
+    dt = _acc(q)
+    s = (q.to(dt) @ k_all.to(dt).transpose(-2, -1)) * _scale(q, scale)
+    if causal:
+        s = s.masked_fill(k_pos[None, :] > positions[rank][:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.exp(s - lse[..., None]) @ v_all.to(dt)
+    return out.to(q.dtype), lse
+
+
+# --------------------------------------------------------------------------------------------
+# Communication and memory per rank
+# --------------------------------------------------------------------------------------------
+
+
+def kv_comm_bytes(strategy: str, n: int, head_dim: int, world_size: int, batch_heads: int = 1, itemsize: int = 4) -> int:
+    """Bytes of K and V each rank receives in one forward pass: "ring" (P-1 shifts) or "allgather" (P-1 shards)."""
+    if strategy not in ("ring", "allgather"):
+        raise ValueError(f"strategy must be 'ring' or 'allgather', got {strategy!r}")
+    shard = batch_heads * (n // world_size) * head_dim * itemsize
+    return 2 * (world_size - 1) * shard  # the same for both: every rank must see every other rank's K and V once
+
+
+def kv_buffer_bytes(strategy: str, n: int, head_dim: int, world_size: int, batch_heads: int = 1, itemsize: int = 4) -> int:
+    """Bytes of K and V a rank holds at once: the ring's current and incoming block, or the whole gathered K and V."""
+    shard = batch_heads * (n // world_size) * head_dim * itemsize
+    if strategy == "ring":
+        return 2 * 2 * shard
+    if strategy == "allgather":
+        return 2 * world_size * shard
+    raise ValueError(f"strategy must be 'ring' or 'allgather', got {strategy!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# torchrun entry: check every algorithm, print the measurements
+# --------------------------------------------------------------------------------------------
+
+
+def _inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, d, dtype=dtype, generator=g).to(device) for _ in range(4)]
+
+
+def _check(name: str, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], rtol: float, atol: float) -> None:
+    from course_lib.dist import assert_matches_reference
+
+    assert_matches_reference(list(got), list(want), name=name, rtol=rtol, atol=atol)
+    err = max(float((a.double().cpu() - e.double().cpu()).abs().max()) for a, e in zip(got, want))
+    if dist.get_rank() == 0:
+        print(f"CHECK {name} ok max_abs_err={err:.3g}", flush=True)
+
+
+def _timed(fn: Any, repeat: int, device: torch.device) -> float:
+    """Median seconds of ``fn()`` over ``repeat`` calls, all ranks starting together; the slowest rank's time."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    t = torch.tensor([float(np.median(times))], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def main(small: bool = False) -> dict[str, Any]:
+    """Run and check every algorithm on this world (call inside an initialised process group); rank 0 prints the lines."""
+    from course_lib.dist import rank_device
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
+    on_gpu = device.type == "cuda"
+    b, h, n, d = (1, 2, 16 * world, 8) if small else (1, 8, 1024 * world, 64)
+    dtype = torch.float64 if small else torch.float32
+    rtol, atol = (1e-9, 1e-10) if small else (2e-3, 2e-4)
+    if on_gpu and not small:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    q, k, v, dout = _inputs(b, h, n, d, dtype, device)
+    for causal, layout in ((False, "contiguous"), (True, "zigzag"), (True, "contiguous")):
+        name = "causal_" + layout if causal else "noncausal"
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ref = naive_attention(*leaves, causal=causal)
+        ref.backward(dout)
+        shards = [shard_sequence(t.detach(), rank, world, layout).requires_grad_(True) for t in (q, k, v)]
+        out = ring_attention(*shards, causal=causal, layout=layout)
+        out.backward(shard_sequence(dout, rank, world, layout))
+        _check(f"ring_{name}_forward", [out.detach()], [shard_sequence(ref.detach(), rank, world, layout)], rtol, atol)
+        _check(f"ring_{name}_backward", [s.grad for s in shards],
+               [shard_sequence(t.grad, rank, world, layout) for t in leaves], rtol, atol)
+        ag_out, _ = allgather_attention_forward(*(s.detach() for s in shards), causal=causal, layout=layout)
+        _check(f"allgather_{name}_forward", [ag_out], [shard_sequence(ref.detach(), rank, world, layout)], rtol, atol)
+
+    result: dict[str, Any] = {"world_size": world, "backend": dist.get_backend(), "seq_len": n, "batch": b,
+                              "heads": h, "head_dim": d, "dtype": str(dtype).removeprefix("torch.")}
+    repeat = 3 if small else 10
+    for layout in ("contiguous", "zigzag"):
+        qs, ks, vs = (shard_sequence(t, rank, world, layout) for t in (q, k, v))
+        tl = Timeline()
+        ring_attention_forward(qs, ks, vs, causal=True, layout=layout, timeline=tl)
+        compute = torch.tensor([sum(e - s for kind, _, s, e in tl.spans if kind == "compute")], dtype=torch.float64,
+                               device=device)
+        gathered = [torch.zeros_like(compute) for _ in range(world)]
+        dist.all_gather(gathered, compute)
+        result[f"causal_{layout}_compute_s_per_rank"] = [float(t) for t in gathered]
+        result[f"causal_{layout}_time_s"] = _timed(
+            lambda: ring_attention_forward(qs, ks, vs, causal=True, layout=layout), repeat, device)
+        result[f"causal_{layout}_work_per_rank"] = causal_work_per_rank(n, world, layout)
+    qs, ks, vs = (shard_sequence(t, rank, world, "contiguous") for t in (q, k, v))
+    with count_received_bytes() as counter:
+        ring_attention_forward(qs, ks, vs)
+    result["ring_forward_bytes_received_per_rank"] = counter.bytes
+    result["ring_forward_bytes_formula"] = kv_comm_bytes("ring", n, d, world, b * h, q.element_size())
+    with count_received_bytes() as counter:
+        allgather_attention_forward(qs, ks, vs)
+    result["allgather_forward_bytes_received_per_rank"] = counter.bytes
+    result["kv_buffer_bytes"] = {s: kv_buffer_bytes(s, n, d, world, b * h, q.element_size()) for s in ("ring", "allgather")}
+    for overlap in (True, False):
+        key = "time_with_overlap_s" if overlap else "time_without_overlap_s"
+        result[key] = _timed(lambda: ring_attention_forward(qs, ks, vs, overlap=overlap), repeat, device)
+    result["overlap_measured_on"] = "gpu" if on_gpu else "cpu (gloo; not meaningful for overlap)"
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    from course_lib.dist import run_as_script
+
+    parser = argparse.ArgumentParser(description="Check ring attention on every rank of a torchrun world.")
+    parser.add_argument("--small", action="store_true", help="tiny sizes in fp64, for CPU ranks under gloo")
+    run_as_script(main, parser.parse_args().small)
