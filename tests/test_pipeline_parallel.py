@@ -1,0 +1,155 @@
+"""Pipeline parallelism (course_lib.pipeline_parallel): partitions, schedules, bubbles, and real gloo runs vs one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining  # noqa: F401  (imported before forking, so ranks do not each import it)
+
+from course_lib import pipeline_parallel as pp
+from course_lib.dist import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _max_cost(costs, bounds):
+    return max(sum(costs[s:e]) for s, e in bounds)
+
+
+def _brute(costs, p):
+    import itertools
+
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        edges = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(edges, edges[1:])))
+    return best
+
+
+@pytest.mark.parametrize("costs,p", [([1, 1, 4, 1, 1], 2), ([1] * 7, 3), ([9, 1, 1, 1], 2), ([1, 2, 3, 4, 5], 5),
+                                     ([3, 1, 4, 1, 5, 9, 2, 6], 3), ([2.5], 1), ([0, 0, 5, 0], 2)])
+def test_balanced_partition_optimal(costs, p):
+    bounds = pp.balanced_partition(costs, p)
+    assert len(bounds) == p and bounds[0][0] == 0 and bounds[-1][1] == len(costs)
+    assert all(s < e for s, e in bounds) and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert _max_cost(costs, bounds) == pytest.approx(_brute(costs, p))
+
+
+def test_balanced_partition_errors():
+    for bad in (0, 4):
+        with pytest.raises(ValueError):
+            pp.balanced_partition([1, 1, 1], bad)
+    with pytest.raises(ValueError):
+        pp.balanced_partition([1, -1], 1)
+
+
+def test_bubble_formula_and_simulation():
+    assert pp.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert pp.bubble_fraction(1, 5) == 0
+    assert pp.bubble_fraction(4, 8, v=2) == pytest.approx(3 / 19)
+    for p, m in ((2, 1), (3, 4), (4, 8)):
+        for sched in (pp.gpipe_schedule, pp.one_f_one_b_schedule):
+            fr = pp.measured_bubble(pp.simulate([sched(p, m, r) for r in range(p)]))
+            assert fr == pytest.approx([pp.bubble_fraction(p, m)] * p)
+    fr = pp.measured_bubble(pp.simulate([pp.interleaved_schedule(4, 8, 2, r) for r in range(4)], v=2))
+    assert fr == pytest.approx([pp.bubble_fraction(4, 8, 2)] * 4)
+
+
+def test_measured_bubble_by_hand():
+    spans = [[("F", "0", 0.0, 1.0), ("B", "0", 3.0, 4.0)], [("F", "0", 1.0, 2.0), ("B", "0", 2.0, 3.0), ("x", "", 0.0, 4.0)]]
+    assert pp.measured_bubble(spans) == pytest.approx([0.5, 0.5])
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_one_f_one_b_properties(p):
+    for m in (1, p, 2 * p + 1):
+        scheds = [pp.one_f_one_b_schedule(p, m, r) for r in range(p)]
+        pp.check_schedule(scheds, m)
+        for r, s in enumerate(scheds):
+            assert pp.in_flight(s) == min(m, p - r)
+            assert s[: min(p - 1 - r, m)] == [("F", i) for i in range(min(p - 1 - r, m))]
+
+
+def test_check_schedule_catches_errors():
+    with pytest.raises(AssertionError, match="before"):
+        pp.check_schedule([[("B", 0), ("F", 0)]], 1)
+    with pytest.raises(AssertionError, match="in flight"):
+        pp.check_schedule([pp.gpipe_schedule(2, 3, r) for r in range(2)], 3)
+    with pytest.raises(AssertionError, match="deadlock"):
+        pp.check_schedule([[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 1), ("B", 1), ("F", 0), ("B", 0)]], 2)
+
+
+def test_meter_counts_and_releases():
+    layers = pp.make_model(2, 4, dtype=torch.float64)
+    stage = pp.Stage(layers)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    outs = [stage(x.clone()) for _ in range(2)]
+    per_mb = stage.meter.live // 2
+    assert per_mb > 0 and stage.meter.live == 2 * per_mb
+    outs[0].sum().backward()
+    assert stage.meter.live == per_mb
+    outs[1].sum().backward()
+    assert stage.meter.live == 0 and stage.meter.peak == 2 * per_mb
+    assert [k for k, *_ in stage.timeline.spans] == ["F", "F", "B", "B"]
+
+
+def _steps_in_rank(cases):
+    errors = []
+    for sched, m, gpipe in cases:
+        model = pp.make_model(5, 4, seed=3, dtype=torch.float64)
+        gen = torch.Generator().manual_seed(4)
+        batch = (torch.randn(2 * m, 4, generator=gen, dtype=torch.float64), torch.randn(2 * m, 4, generator=gen, dtype=torch.float64))
+        ex = (lambda st, ops, *a: pp.gpipe_step(st, *a)) if gpipe else pp.run_schedule
+        out = pp.run_pipeline(model, batch, m, sched, executor=ex, warmup=False)
+        errors.append(pp._check_against_reference(out, model, batch, sched))
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_executors_match_reference(world):
+    cases = [(sched, m, gpipe) for sched, gpipe in (("gpipe", True), ("gpipe", False), ("1f1b", False), ("naive", False))
+             for m in (1, world, 2 * world + 1)]
+    res = launch(_steps_in_rank, world, cases, timeout=60)
+    assert max(max(r) for r in res) < 1e-12
+
+
+def _torch_vs_ours(sched, m):
+    model = pp.make_model(4, 4, seed=5, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(6)
+    batch = (torch.randn(8, 4, generator=gen, dtype=torch.float64), torch.randn(8, 4, generator=gen, dtype=torch.float64))
+    ours = pp.run_pipeline(model, batch, m, sched, warmup=False)
+    theirs = pp.torch_pipeline_step(model, batch, m, sched)
+    for a, b in zip(ours["grads"], theirs["grads"]):
+        torch.testing.assert_close(a, b)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        torch.testing.assert_close(ours["loss"], theirs["loss"])
+    return True
+
+
+def test_torch_pipelining_agrees():
+    assert all(launch(_torch_vs_ours, 2, "1f1b", 4, timeout=90))
+
+
+def test_torchrun_entry():
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "course_lib.pipeline_parallel", "--small"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for name in ("naive", "gpipe", "1f1b"):
+        assert any(line.startswith(f"CHECK {name} ok") for line in lines), proc.stdout
+    result = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT "):])
+    assert result["world_size"] == 2
+    for name in ("naive", "gpipe", "1f1b"):
+        assert len(result[name]["bubble_measured"]) == 2 and len(result[name]["peak_activation_bytes"]) == 2
+    assert result["1f1b"]["peak_activation_bytes"][0] < result["gpipe"]["peak_activation_bytes"][0]
