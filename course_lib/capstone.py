@@ -1,0 +1,239 @@
+"""Chapter 16 (capstone): train the course GPT on one device with every single-device technique of the course.
+
+Two runs of the same model on the same batches, and what separates them:
+
+    baseline   fp32 weights and math (TF32 off), eager mode, AdamW's default (foreach) kernels
+    optimized  bf16 autocast (fp32 master weights), SDPA's FlashAttention / cuDNN kernel (is_causal),
+               torch.compile, fused AdamW, optional activation checkpointing per block
+
+    from course_lib import capstone
+    result = capstone.compare(capstone.RunConfig.preset(steps=20))
+    result["speedup"], result["optimized"].mfu
+
+MFU counts model FLOPs as ``planner.model_flops`` does (6 x matmul parameters x tokens plus the
+attention matmuls) against the device's dense bf16 peak (``orientation.H100_SXM`` / ``H200_SXM``);
+on a CPU, where no datasheet figure applies, against a measured fp32 matmul rate (said so in the result).
+
+    python -m course_lib.capstone --preset gpt2-small --steps 50 --out capstone.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from course_lib import env, models
+from course_lib.optimizers import fused_supported
+from course_lib.orientation import H100_SXM, H200_SXM
+from course_lib.planner import ModelSpec, model_flops
+
+__all__ = ["RunConfig", "RunResult", "compare", "flops_per_step", "main", "peak_flops", "train"]
+
+PRESETS = {"tiny": models.GPTConfig.tiny, "gpt2-small": models.GPTConfig.small}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What to train and how: model preset, steps, batch (sequences), sequence length, learning rate, and the techniques."""
+
+    preset: str = "tiny"
+    steps: int = 20
+    batch_size: int = 8
+    seq_len: int | None = None  # None: the preset's
+    lr: float = 1e-3
+    warmup: int = 3  # untimed steps (compilation happens here)
+    bf16: bool = True
+    compile: bool = True
+    fused_adam: bool = True
+    checkpointing: bool = False
+    seed: int = 0
+
+    @classmethod
+    def preset(cls, steps: int = 20) -> RunConfig:
+        """Tiny on a CPU (no compile: it costs more than it saves there); GPT-2 small, batch 32 x 1024 on a GPU."""
+        return env.pick(
+            cpu=cls("tiny", steps=steps, batch_size=8, compile=False),
+            gpu=cls("gpt2-small", steps=steps, batch_size=32, warmup=5),
+        )
+
+    def baseline(self) -> RunConfig:
+        """The same run with every technique off: fp32, eager, default AdamW, no checkpointing."""
+        return replace(self, bf16=False, compile=False, fused_adam=False, checkpointing=False)
+
+    def model_config(self) -> models.GPTConfig:
+        cfg = PRESETS[self.preset]()
+        return cfg if self.seq_len is None else replace(cfg, seq_len=self.seq_len)
+
+
+@dataclass
+class RunResult:
+    """Losses per step and the throughput of the timed steps."""
+
+    config: RunConfig
+    losses: list[float]
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    peak_flops: float
+    peak_source: str
+    params: int
+    device: str
+    extra: dict = field(default_factory=dict)
+
+
+def flops_per_step(cfg: models.GPTConfig, batch_size: int) -> float:
+    """Model FLOPs of one step of ``cfg`` at ``batch_size`` sequences (planner.model_flops)."""
+    spec = ModelSpec("run", cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len, cfg.vocab_size, batch_size)
+    return model_flops(spec)
+
+
+def peak_flops(device: torch.device) -> tuple[float, str]:
+    """The peak FLOP/s to state MFU against, and where it comes from."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for spec in (H200_SXM, H100_SXM):
+            if spec.name.split()[0] in name:
+                return spec.bf16_dense_flops, f"{spec.name} dense bf16 datasheet"
+        return H100_SXM.bf16_dense_flops, f"unknown GPU {name}: H100 SXM dense bf16 datasheet used"
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    rate = 10 * 2 * n**3 / (time.perf_counter() - start)
+    return rate, "measured fp32 matmul rate of this CPU"
+
+
+class _CheckpointedBlock(nn.Module):
+    """A block whose activations are recomputed in the backward pass."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool) -> Iterator[None]:
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def train(
+    run: RunConfig, device: torch.device | None = None, progress: bool = True, peak: tuple[float, str] | None = None
+) -> RunResult:
+    """Train ``run``'s GPT for ``warmup + steps`` steps on learnable synthetic batches; time the last ``steps``.
+
+    ``peak`` is (FLOP/s, source) to state MFU against; None asks ``peak_flops``.
+    """
+    from tqdm.auto import tqdm
+
+    device = device or env.DEVICE
+    cfg = run.model_config()
+    model = models.GPT(cfg, seed=run.seed).to(device)
+    if run.checkpointing:
+        model.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in model.blocks)
+    fused = run.fused_adam and fused_supported(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, fused=fused or None)
+    step_model = torch.compile(model) if run.compile else model
+    x, y = models.repeating_batch(cfg, run.batch_size, period=16, device=device, seed=run.seed)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if run.bf16 else contextlib.nullcontext()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with amp:
+            _, loss = step_model(x, y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    losses: list[torch.Tensor] = []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    label = "optimized" if run.bf16 or run.compile else "baseline"
+    with _tf32(False):
+        bar = tqdm(range(run.warmup + run.steps), desc=f"{label} {run.preset}", disable=not progress, leave=False)
+        for i in bar:
+            if i == run.warmup:
+                sync()
+                start = time.perf_counter()
+            losses.append(step())
+        sync()
+        elapsed = time.perf_counter() - start if run.steps else float("nan")
+    step_s = elapsed / max(run.steps, 1)
+    peak, source = peak or peak_flops(device)
+    tokens = run.batch_size * cfg.seq_len
+    return RunResult(
+        config=run,
+        losses=[float(v) for v in losses],
+        step_s=step_s,
+        tokens_per_s=tokens / step_s,
+        mfu=flops_per_step(cfg, run.batch_size) / step_s / peak,
+        peak_flops=peak,
+        peak_source=source,
+        params=model.num_params(),
+        device=str(device),
+        extra={"fused_adam": fused},
+    )
+
+
+def compare(run: RunConfig, device: torch.device | None = None, progress: bool = True) -> dict:
+    """Run the fp32 eager baseline and ``run``; return both results and the speed-up in tokens/s."""
+    device = device or env.DEVICE
+    peak = peak_flops(device)
+    base = train(run.baseline(), device, progress, peak)
+    fast = train(run, device, progress, peak)
+    return {"baseline": base, "optimized": fast, "speedup": fast.tokens_per_s / base.tokens_per_s}
+
+
+def _summary(result: dict) -> dict:
+    def one(r: RunResult) -> dict:
+        d = asdict(r)
+        d["config"] = asdict(r.config)
+        return d
+
+    return {"baseline": one(result["baseline"]), "optimized": one(result["optimized"]), "speedup": result["speedup"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m course_lib.capstone --preset gpt2-small --steps N --out FILE``: baseline vs optimized, as JSON."""
+    parser = argparse.ArgumentParser(description="the capstone run: fp32 eager baseline vs every single-device technique")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=env.pick(cpu="tiny", gpu="gpt2-small"))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--out", default=None, help="write the JSON here too")
+    args = parser.parse_args(argv)
+    run = RunConfig(args.preset, steps=args.steps, seq_len=args.seq_len,
+                    batch_size=args.batch_size or (32 if args.preset == "gpt2-small" else 8),
+                    compile=not args.no_compile and env.HAS_GPU, checkpointing=args.checkpointing,
+                    warmup=5 if env.HAS_GPU else 3)
+    summary = _summary(compare(run, progress=False))
+    text = json.dumps(summary)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    o, b = summary["optimized"], summary["baseline"]
+    print(f"baseline  {b['tokens_per_s']:12.0f} tokens/s  MFU {b['mfu']:.1%}")
+    print(f"optimized {o['tokens_per_s']:12.0f} tokens/s  MFU {o['mfu']:.1%}  speed-up {summary['speedup']:.2f}x")
+    print("RESULT " + text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Chapter 16 (hybrid parallelism): device meshes, process groups by hand, and a DP x TP training run.
+
+A cluster of ``world`` ranks is arranged as an n-dimensional *mesh*, for example
+(dp, tp) = (2, 2). The convention here is PyTorch's ``init_device_mesh``: the mesh is
+``torch.arange(world).reshape(shape)`` (row-major, the **last** dimension varies fastest), so
+rank r sits at ``np.unravel_index(r, shape)`` and the ranks that share every coordinate except
+one dimension form a process group along that dimension. Tensor parallelism goes on the last,
+fastest dimension: its ranks are neighbours, so they share a node (NVLink).
+
+    from course_lib import hybrid
+    hybrid.mesh_coords(5, (2, 2, 2))           # (1, 0, 1)
+    hybrid.mesh_groups((2, 2), 0)              # [[0, 2], [1, 3]]: the data-parallel groups
+    # inside ranks (course_lib.dist.launch):
+    groups = hybrid.new_mesh_groups((2, 2), ("dp", "tp"))   # every rank builds every group
+    hybrid.train_dp_tp(case, dp=2, tp=2)                     # one replica per dp rank, split over tp
+
+Run the checks under torchrun (each rank on its own GPU with NCCL when there are enough):
+
+    torchrun --nproc_per_node 4 -m course_lib.hybrid            # dp2 x tp2
+    torchrun --nproc_per_node 2 -m course_lib.hybrid --small    # dp1 x tp2 and dp2 x tp1
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch._dynamo  # noqa: F401  an optimizer's constructor imports it; once here, not in every forked rank
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import models
+from course_lib import tensor_parallel as tp_lib
+from course_lib.dist import assert_matches_reference, rank_device, run_as_script
+
+__all__ = [
+    "HybridCase",
+    "MeshGroups",
+    "device_mesh_groups",
+    "main",
+    "mesh_coords",
+    "mesh_groups",
+    "mesh_rank",
+    "new_mesh_groups",
+    "reference_shard",
+    "train_dp_tp",
+    "train_reference",
+]
+
+
+# ---- mesh arithmetic (no process group needed) -------------------------------------------------
+
+
+def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    shape = tuple(int(s) for s in shape)
+    if not shape or any(s < 1 for s in shape):
+        raise ValueError(f"a mesh shape needs at least one dimension, all >= 1; got {shape}")
+    return shape
+
+
+def mesh_coords(rank: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """Coordinates of ``rank`` in a mesh of ``shape`` laid out row-major (last dimension fastest)."""
+    shape = _check_shape(shape)
+    if not 0 <= rank < math.prod(shape):
+        raise ValueError(f"rank must be in [0, {math.prod(shape)}) for a mesh of shape {shape}, got {rank}")
+    return tuple(int(c) for c in np.unravel_index(rank, shape))
+
+
+def mesh_rank(coords: Sequence[int], shape: Sequence[int]) -> int:
+    """The rank at ``coords`` of a row-major mesh of ``shape`` (the inverse of ``mesh_coords``)."""
+    shape = _check_shape(shape)
+    if len(coords) != len(shape) or any(not 0 <= c < s for c, s in zip(coords, shape)):
+        raise ValueError(f"coordinates {tuple(coords)} are outside a mesh of shape {shape}")
+    return int(np.ravel_multi_index(tuple(coords), shape))
+
+
+def mesh_groups(shape: Sequence[int], dim: int) -> list[list[int]]:
+    """The process groups along mesh dimension ``dim``: lists of ranks that differ only in that coordinate.
+
+    Groups are ordered by the rank of their first member, ranks inside a group by their
+    coordinate along ``dim``, which is the order ``init_device_mesh`` uses.
+    """
+    shape = _check_shape(shape)
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"dim must be in [{-len(shape)}, {len(shape)}) for a mesh of shape {shape}, got {dim}")
+    grid = torch.arange(math.prod(shape)).reshape(shape)
+    return grid.movedim(dim, -1).reshape(-1, shape[dim]).tolist()
+
+
+# ---- process groups inside ranks ---------------------------------------------------------------
+
+
+@dataclass
+class MeshGroups:
+    """This rank's place in a mesh: its coordinates and, per dimension name, its group and that group's ranks."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    coords: dict[str, int]
+    groups: dict[str, Any]
+    ranks: dict[str, list[int]]
+
+
+def new_mesh_groups(shape: Sequence[int], names: Sequence[str]) -> MeshGroups:
+    """Build every process group of a mesh with ``dist.new_group``; return this rank's view of them.
+
+    ``new_group`` is collective: every rank must call it for every group, in the same order,
+    even for groups it is not a member of. So each rank walks all dimensions and all groups.
+    """
+    shape = _check_shape(shape)
+    names = tuple(names)
+    if len(names) != len(shape) or len(set(names)) != len(names):
+        raise ValueError(f"need one distinct name per mesh dimension, got names={names} for shape {shape}")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != math.prod(shape):
+        raise ValueError(f"a mesh of shape {shape} needs {math.prod(shape)} ranks, the world has {world}")
+    coords = mesh_coords(rank, shape)
+    groups: dict[str, Any] = {}
+    ranks: dict[str, list[int]] = {}
+    for dim, name in enumerate(names):
+        for members in mesh_groups(shape, dim):
+            handle = dist.new_group(members)
+            if rank in members:
+                groups[name], ranks[name] = handle, members
+    return MeshGroups(shape, names, dict(zip(names, coords)), groups, ranks)
+
+
+def device_mesh_groups(shape: Sequence[int], names: Sequence[str]) -> dict[str, list[int]]:
+    """PyTorch's answer: ``init_device_mesh``'s group of this rank along each named dimension, as lists of ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    return {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in names}
+
+
+# ---- a DP x TP training run --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HybridCase:
+    """A small regression task on one transformer block: the same data and steps for every layout."""
+
+    d_model: int = 32
+    n_head: int = 4
+    seq_len: int = 8
+    global_batch: int = 8
+    steps: int = 3
+    lr: float = 0.05
+    seed: int = 0
+
+    def config(self) -> models.GPTConfig:
+        return models.GPTConfig(d_model=self.d_model, n_head=self.n_head, seq_len=self.seq_len)
+
+    def model(self) -> models.Block:
+        """The single-device block every run starts from."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            return models.Block(self.config())
+
+    def data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, each (steps, global_batch, seq_len, d_model)."""
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        shape = (self.steps, self.global_batch, self.seq_len, self.d_model)
+        return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def train_reference(case: HybridCase, device: torch.device | str = "cpu") -> models.Block:
+    """Train ``case``'s block in one process on the whole batch; the gradients of the last step stay in ``.grad``.
+
+    Returns the block on the CPU (``device`` is where it trains).
+    """
+    model = case.model().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=case.lr)
+    xs, ys = case.data()
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        F.mse_loss(model(x.to(device)), y.to(device)).backward()
+        opt.step()
+    return model.cpu()
+
+
+def reference_shard(reference: nn.Module, tp_rank: int, tp: int) -> tp_lib.ParallelBlock:
+    """The tensor-parallel shard of a trained single-process block, with the matching slices of its gradients."""
+    shard = tp_lib.ParallelBlock.from_module(reference, tp_rank, tp)
+    grads = copy.deepcopy(reference)
+    with torch.no_grad():
+        for p, original in zip(grads.parameters(), reference.parameters()):
+            p.copy_(original.grad)
+    for p, g in zip(shard.parameters(), tp_lib.ParallelBlock.from_module(grads, tp_rank, tp).parameters()):
+        p.grad = g.detach().clone()
+    return shard
+
+
+def train_dp_tp(case: HybridCase, dp: int, tp: int, *, mesh: MeshGroups | None = None) -> dict[str, Any]:
+    """Inside ``dp * tp`` ranks: train ``case`` with tensor parallelism inside each replica, data parallelism across.
+
+    Mesh (dp, tp), tp fastest. Rank (d, t) holds tensor-parallel shard t of the block, runs
+    it on data-parallel shard d of the batch, and after the backward pass averages its
+    gradients over its dp group (ranks with the same t hold the same shard). Returns
+    ``{"model": the shard, "step_s": seconds per step, "coords": (d, t)}``.
+    """
+    mesh = mesh or new_mesh_groups((dp, tp), ("dp", "tp"))
+    d, t = mesh.coords["dp"], mesh.coords["tp"]
+    dev = rank_device()
+    if case.global_batch % dp:
+        raise ValueError(f"global_batch={case.global_batch} does not split over dp={dp}")
+    model = tp_lib.ParallelBlock.from_module(case.model(), t, tp, group=mesh.groups["tp"]).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=case.lr)
+    xs, ys = case.data()
+    per = case.global_batch // dp
+    times = []
+    for x, y in zip(xs, ys):
+        start = time.perf_counter()
+        x_local, y_local = x[d * per:(d + 1) * per].to(dev), y[d * per:(d + 1) * per].to(dev)
+        opt.zero_grad()
+        F.mse_loss(model(x_local), y_local).backward()
+        for p in model.parameters():  # average over the replicas that hold the same shard
+            dist.all_reduce(p.grad, group=mesh.groups["dp"])
+            p.grad /= dp
+        opt.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return {"model": model.cpu(), "step_s": float(np.median(times)), "coords": (d, t)}
+
+
+# ---- torchrun entry ----------------------------------------------------------------------------
+
+
+def _layouts(world: int) -> list[tuple[int, int]]:
+    """The (dp, tp) layouts the script checks: dp1 x tp2 and dp2 x tp1 on 2 ranks, dp(n/2) x tp2 on n >= 4."""
+    if world == 2:
+        return [(1, 2), (2, 1)]
+    return [(world // 2, 2)] if world % 2 == 0 else [(world, 1)]
+
+
+def _script(small: bool) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = HybridCase() if small else HybridCase(d_model=512, n_head=8, seq_len=256, global_batch=8 * world, steps=5)
+    result: dict[str, Any] = {"world_size": world, "backend": dist.get_backend(), "layouts": {}}
+    ref = train_reference(case, rank_device())
+    for dp, tp in _layouts(world):
+        if case.global_batch % dp or case.n_head % tp:
+            continue
+        mesh = new_mesh_groups((dp, tp), ("dp", "tp"))
+        names = ("dp", "tp")
+        theirs = device_mesh_groups((dp, tp), names)
+        for name in names:
+            if theirs[name] != mesh.ranks[name]:
+                raise AssertionError(f"{name} group of rank {rank}: ours {mesh.ranks[name]}, init_device_mesh {theirs[name]}")
+        out = train_dp_tp(case, dp, tp, mesh=mesh)
+        want = reference_shard(ref, mesh.coords["tp"], tp)
+        assert_matches_reference(out["model"], want, name=f"dp{dp}xtp{tp}", rtol=1e-4, atol=1e-5)
+        err = max(
+            max(float((a.detach() - b.detach()).abs().max()), float((a.grad - b.grad).abs().max()))
+            for a, b in zip(out["model"].parameters(), want.parameters())
+        )
+        errs = [None] * world
+        dist.all_gather_object(errs, err)
+        times = [None] * world
+        dist.all_gather_object(times, out["step_s"])
+        if rank == 0:
+            print(f"CHECK mesh_dp{dp}xtp{tp} ok max_abs_err=0")
+            print(f"CHECK dp{dp}xtp{tp}_vs_single_process ok max_abs_err={max(errs):.3g}")
+        result["layouts"][f"dp{dp}xtp{tp}"] = {"step_s": max(times), "max_abs_err": max(errs)}
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``torchrun --nproc_per_node N -m course_lib.hybrid [--small]``: check each DP x TP layout, print RESULT json."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny sizes, for CPU gloo ranks")
+    args = parser.parse_args(argv)
+    result = run_as_script(_script, args.small)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

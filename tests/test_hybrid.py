@@ -1,0 +1,85 @@
+"""Tests for course_lib.hybrid: mesh arithmetic, groups built by hand vs init_device_mesh, DP x TP vs one process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from course_lib import hybrid
+from course_lib.dist import assert_matches_reference, launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_mesh_coords_row_major_and_inverse():
+    assert hybrid.mesh_coords(5, (2, 2, 2)) == (1, 0, 1)
+    assert hybrid.mesh_coords(3, (4,)) == (3,)
+    for r in range(12):
+        assert hybrid.mesh_rank(hybrid.mesh_coords(r, (3, 2, 2)), (3, 2, 2)) == r
+    with pytest.raises(ValueError):
+        hybrid.mesh_coords(8, (2, 4))
+    with pytest.raises(ValueError):
+        hybrid.mesh_coords(0, (0, 2))
+
+
+def test_mesh_groups_shapes():
+    assert hybrid.mesh_groups((2, 2), 0) == [[0, 2], [1, 3]]
+    assert hybrid.mesh_groups((2, 2), 1) == [[0, 1], [2, 3]]
+    assert hybrid.mesh_groups((2, 3), -1) == [[0, 1, 2], [3, 4, 5]]
+    groups = hybrid.mesh_groups((2, 2, 2), 1)
+    assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert sorted(r for g in groups for r in g) == list(range(8))
+    with pytest.raises(ValueError):
+        hybrid.mesh_groups((2, 2), 2)
+
+
+def _both_layouts(shape, names):
+    mine = hybrid.new_mesh_groups(shape, names)
+    return mine.ranks, hybrid.device_mesh_groups(shape, names), mine.coords
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (4, 1), (1, 4)])
+def test_new_groups_match_init_device_mesh(shape):
+    results = launch(_both_layouts, 4, shape, ("dp", "tp"), timeout=60)
+    for rank, (mine, theirs, coords) in enumerate(results):
+        assert mine == theirs, f"rank {rank}: {mine} != {theirs}"
+        assert tuple(coords.values()) == hybrid.mesh_coords(rank, shape)
+
+
+def _dp_tp(case, dp, tp):
+    out = hybrid.train_dp_tp(case, dp, tp)
+    want = hybrid.reference_shard(hybrid.train_reference(case), out["coords"][1], tp)
+    assert_matches_reference(out["model"], want, name=f"dp{dp}xtp{tp}", rtol=1e-4, atol=1e-5)
+    return out["step_s"]
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 2), (1, 4), (4, 1)])
+def test_dp_tp_matches_single_process(dp, tp):
+    times = launch(_dp_tp, dp * tp, hybrid.HybridCase(steps=2), dp, tp, timeout=60)
+    assert all(t > 0 for t in times)
+
+
+def test_reference_shard_tp1_is_the_model():
+    case = hybrid.HybridCase(steps=1)
+    ref = hybrid.train_reference(case)
+    shard = hybrid.reference_shard(ref, 0, 1)
+    for a, b in zip(shard.parameters(), ref.parameters()):
+        assert (a == b).all() and (a.grad == b.grad).all()
+
+
+def test_torchrun_entry_small():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "course_lib.hybrid", "--small"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    checks = [l for l in lines if l.startswith("CHECK ")]
+    assert len(checks) == 4 and all(" ok " in l for l in checks), proc.stdout
+    result = json.loads(next(l for l in lines if l.startswith("RESULT "))[len("RESULT "):])
+    assert result["world_size"] == 2 and set(result["layouts"]) == {"dp1xtp2", "dp2xtp1"}
+    assert all(v["step_s"] > 0 for v in result["layouts"].values())

@@ -1,0 +1,115 @@
+"""Tests for course_lib.planner: the rules, the memory and time models, and the published figures they reproduce."""
+
+import math
+
+import pytest
+
+from course_lib import memory_math as mm
+from course_lib import planner as pl
+
+# Narayanan et al. 2021 (SC21), Table 1: params (B), heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU.
+MEGATRON = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+@pytest.mark.parametrize("row", MEGATRON, ids=[f"{r[0]}B" for r in MEGATRON])
+def test_megatron_table(row):
+    P, a, h, L, tp, pp, n, B, tflops = row
+    model = pl.ModelSpec(f"{P}B", L, h, a, 2048, 51200, B)
+    assert round(model.num_params / 1e9, 1) == P
+    cfg = pl.ParallelConfig(dp=n // (tp * pp), tp=tp, pp=pp, checkpointing=True)
+    cluster = pl.a100_cluster(n // 8)
+    assert pl.config_problems(model, cluster, cfg) == {}
+    t = pl.step_time(model, cluster, cfg)
+    rel = t.hardware_flops_per_gpu / 1e12 / tflops - 1
+    assert -0.10 <= rel <= 0.25, rel
+    if P > 100:
+        assert abs(rel) <= 0.10, rel
+    assert pl.memory_per_gpu(model, cfg).total < cluster.memory_bytes
+
+
+def test_zero_figure_7_5b():
+    model = pl.ModelSpec("7.5B", 1, 1, 1, 1, 1, 64, params=7.5e9)
+    got = [pl.memory_per_gpu(model, pl.ParallelConfig(dp=64, zero=z)).states.total / 1e9 for z in range(4)]
+    assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_memory_model_parts():
+    model = pl.ModelSpec("m", 8, 1024, 16, 2048, 50000, 64)
+    cfg = pl.ParallelConfig(dp=2, tp=2, pp=2, micro_batch=2)
+    mem = pl.memory_per_gpu(model, cfg)
+    assert mem.states == mm.zero_memory_per_gpu(model.num_params / 4, 0, 2)
+    per_layer = 34 * 2048 * 2 * 1024 / 2
+    assert math.isclose(mem.activations, 2 * 4 * per_layer)
+    ck = pl.memory_per_gpu(model, pl.ParallelConfig(dp=2, tp=2, pp=2, micro_batch=2, checkpointing=True))
+    assert math.isclose(ck.activations, 2 * 4 * 2 * 2048 * 2 * 1024 / 2 + per_layer)
+
+
+def test_rules():
+    model = pl.ModelSpec("m", 12, 768, 12, 1024, 50304, 64)
+    c = pl.dgx_h100(2)
+    assert pl.config_problems(model, c, pl.ParallelConfig(dp=16)) == {}
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(dp=8))) == {"gpus"}
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(tp=16))) == {"tp_node", "tp_heads"}
+    assert set(pl.config_problems(model, pl.dgx_h100(1), pl.ParallelConfig(tp=8))) == {"tp_heads"}
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(dp=2, pp=8))) == {"pp_layers"}
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(dp=8, pp=2, zero=3))) == {"zero_pp"}
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(tp=4, pp=4, zero=1))) == {"zero_dp"}
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(dp=16, micro_batch=8))) == {"batch"}
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(dp=16, zero=5))) == {"zero_stage"}
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(dp=0))) == {"positive"}
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(dp=1, cp=16))) == set()
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(dp=1, cp=16, tp=1).__class__(cp=3))) >= {"gpus", "cp_seq"}
+    assert set(pl.RULES) >= {"gpus", "tp_node", "tp_heads", "pp_layers", "cp_seq", "batch", "zero_dp", "zero_pp"}
+
+
+def test_plan_sorted_and_best():
+    model = pl.ModelSpec("7B", 32, 4096, 32, 2048, 51200, 256)
+    plans = pl.plan(model, pl.dgx_h100(1))
+    assert plans and all(p.fits for p in plans)
+    assert [p.time.total for p in plans] == sorted(p.time.total for p in plans)
+    assert pl.best_plan(plans) is plans[0] or pl.best_plan(plans).time.total == plans[0].time.total
+    assert pl.best_plan(plans, memory_limit=1.0) is None
+    assert all(0 < p.time.mfu < 1 for p in plans)
+
+
+def test_step_time_parts():
+    model = pl.ModelSpec("m", 8, 1024, 16, 2048, 50000, 64)
+    cluster = pl.dgx_h100(2)
+    cfg = pl.ParallelConfig(dp=4, tp=2, pp=2)
+    t = pl.step_time(model, cluster, cfg)
+    assert math.isclose(t.compute, pl.model_flops(model) / (16 * cluster.peak_flops * 0.6))
+    assert math.isclose(t.bubble, t.compute * 1 / 16)
+    bw = pl.link_bandwidths(cluster, cfg)
+    assert bw["tp"] == cluster.intra_node_bw and bw["pp"] == cluster.inter_node_bw and bw["dp"] == cluster.intra_node_bw
+    assert math.isclose(t.mfu, pl.model_flops(model) / (16 * cluster.peak_flops * t.total))
+
+
+def test_flowchart():
+    small = pl.ModelSpec("gpt2", 12, 768, 12, 1024, 50304, 64)
+    c = pl.dgx_h100(1)
+    assert pl.flowchart(small, c, 1e9).strategy == "single device"
+    assert pl.flowchart(small, c, 1e13).strategy == "data parallelism"
+    big = pl.ModelSpec("70B", 80, 8192, 64, 2048, 51200, 64)
+    assert pl.flowchart(big, c, 1e9).strategy == "model parallelism"
+    assert pl.flowchart(big, c, 1e13).strategy == "hybrid parallelism"
+    with pytest.raises(ValueError):
+        pl.flowchart(big, c, 1e13, priority="speed")
+
+
+def test_pick_best_matches_plan_and_breaks_ties_by_memory():
+    model = pl.ModelSpec("7B", 32, 4096, 32, 2048, 51200, 256)
+    cluster = pl.dgx_h100(1)
+    configs = pl.enumerate_configs(model, cluster)
+    best = pl.pick_best(model, cluster, configs)
+    assert best.time.total == pl.plan(model, cluster)[0].time.total
+    same_time = [pl.ParallelConfig(dp=8, zero=z) for z in (0, 1, 2)]
+    small = pl.ModelSpec("gpt2", 12, 768, 12, 1024, 50304, 64)
+    assert pl.pick_best(small, cluster, same_time).config.zero == 2
+    assert pl.pick_best(small, cluster, same_time, memory_limit=1.0) is None
+    assert pl.pick_best(small, cluster, [pl.ParallelConfig(dp=4)]) is None
