@@ -397,13 +397,13 @@ class ZeroStage1Optimizer:
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
         flat_grad = self._flat(grads)
         grad_shard = torch.empty(self.shard_size, dtype=flat_grad.dtype, device=flat_grad.device)
-        dist.reduce_scatter_single(grad_shard, flat_grad, op=dist.ReduceOp.SUM)
+        dist.reduce_scatter_tensor(grad_shard, flat_grad, op=dist.ReduceOp.SUM)
         grad_shard.div_(self.world_size)
         flat_param = self._flat([p.detach() for p in self.params])
         lo = self.rank * self.shard_size
         param_shard = flat_param[lo:lo + self.shard_size].clone()
         adam_step(param_shard, grad_shard, self.state, **self.hyper)
-        dist.all_gather_single(flat_param, param_shard)
+        dist.all_gather_into_tensor(flat_param, param_shard)
         offset = 0
         for p in self.params:
             p.copy_(flat_param[offset:offset + p.numel()].view_as(p))

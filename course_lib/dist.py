@@ -35,13 +35,15 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from course_lib.testing import assert_close
+
+T = TypeVar("T")
 
 __all__ = [
     "RankError",
@@ -50,6 +52,7 @@ __all__ = [
     "backend_for",
     "init_from_torchrun",
     "launch",
+    "pick_for",
     "rank_device",
     "run_as_script",
 ]
@@ -69,13 +72,24 @@ class RankError(RuntimeError):
 
 
 def backend_for(world_size: int) -> str:
-    """``"nccl"`` when there is a CUDA device for every rank, else ``"gloo"`` (saying why when a GPU exists)."""
+    """``"nccl"`` when there is a CUDA device for every rank, else ``"gloo"`` (saying why, once, when a GPU exists)."""
+    global _said_gloo
     if torch.cuda.is_available():
         n_gpus = torch.cuda.device_count()
         if n_gpus >= world_size:
             return "nccl"
-        print(f"course_lib.dist: using gloo on CPU: {world_size} ranks but only {n_gpus} GPU(s)")
+        if not _said_gloo:
+            print(f"course_lib.dist: {n_gpus} GPU(s) here: launches of more ranks than that use gloo on the CPU")
+            _said_gloo = True
     return "gloo"
+
+
+_said_gloo = False
+
+
+def pick_for(world_size: int, cpu: T, gpu: T) -> T:
+    """The size preset for a ``world_size``-rank launch: ``gpu`` when every rank gets a GPU (NCCL), else ``cpu``."""
+    return gpu if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else cpu
 
 
 def rank_device() -> torch.device:
@@ -205,19 +219,20 @@ def _worker(
 
 
 def _context_and_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
-    """Pick fork when it is safe (keeps notebook-defined functions working), else spawn with ``fn`` pickled by value."""
-    if not torch.cuda.is_initialized():
+    """Fork on a machine without a GPU (keeps notebook-defined functions working); else spawn with ``fn`` pickled by value."""
+    if not torch.cuda.is_available():
         return mp.get_context("fork"), (fn, args, kwargs)
-    # A forked child of a process that has initialised CUDA cannot use CUDA, so spawn; spawn imports
-    # the target by name, which fails for functions defined in a notebook cell, hence cloudpickle.
+    # Where there is a GPU, a forked rank breaks as soon as the parent has initialised CUDA
+    # ("CUDA error: initialization error") or run a backward pass (autograd then starts a thread
+    # per GPU, and a forked child's autograd refuses to run). So spawn; spawn imports the target
+    # by name, which fails for functions defined in a notebook cell, hence cloudpickle.
     try:
         import cloudpickle
     except ImportError:
         raise RuntimeError(
-            "launch: this process has already initialised CUDA, so ranks must be spawned, and spawning "
-            "needs the function pickled by value, which needs cloudpickle (pip install cloudpickle). "
-            "Otherwise define the function in a module (a .py file), or call launch() before anything "
-            "touches the GPU (restart the kernel and launch first)."
+            "launch: on a machine with a GPU ranks are spawned, and spawning needs the function "
+            "pickled by value, which needs cloudpickle (pip install cloudpickle). Otherwise define "
+            "the function in a module (a .py file)."
         ) from None
     return mp.get_context("spawn"), cloudpickle.dumps((fn, args, kwargs))
 
@@ -233,11 +248,11 @@ def launch(
     """Run ``fn(*args, **kwargs)`` in ``world_size`` ranks of a fresh process group; return the results by rank.
 
     ``backend`` None picks with ``backend_for``. Under NCCL rank r uses ``cuda:r``.
-    Ranks are forked, so functions defined in a notebook cell, lambdas and closures work.
-    If this process has already initialised CUDA, forking is unsafe: ranks are spawned
-    instead and ``fn`` is pickled by value with cloudpickle; without cloudpickle that
-    raises a RuntimeError asking to define ``fn`` in a module or to launch before
-    touching the GPU. Tensors in the results come back on the CPU.
+    On a machine without a GPU ranks are forked, so functions defined in a notebook cell,
+    lambdas and closures work. Where there is a GPU, forking is unsafe once the parent has
+    used CUDA or autograd: ranks are spawned instead and ``fn`` is pickled by value with
+    cloudpickle (without it, a RuntimeError asks to define ``fn`` in a module). Tensors in
+    the results come back on the CPU.
 
     Raises ``RankError`` (naming the rank(s), with the remote traceback) as soon as a rank
     raises, after stopping the others, and ``TimeoutError`` naming the ranks still running

@@ -163,19 +163,30 @@ def test_backend_for_is_gloo_without_gpus() -> None:
 
 def test_spawn_without_cloudpickle_asks_for_a_module(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "cloudpickle", None)  # makes `import cloudpickle` fail
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="define the function in a module"):
         cdist.launch(lambda: 0, 2)
 
 
 def test_spawn_path_sends_a_closure_by_value(monkeypatch) -> None:
-    # Once the parent has used CUDA, launch spawns fresh interpreters and pickles fn with cloudpickle.
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    # Where there is a GPU, launch spawns fresh interpreters and pickles fn with cloudpickle.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     factor = 3
     assert cdist.launch(lambda: dist.get_rank() * factor, 2, timeout=120) == [0, 3]
     # multiprocessing's resource tracker outlives a spawn by design; no rank may.
     ranks = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
     assert not ranks, f"spawned ranks left behind: {ranks}"
+
+
+def test_pick_for_and_backend_for_without_enough_gpus(monkeypatch, capsys) -> None:
+    assert cdist.pick_for(2, cpu=64, gpu=4096) == (4096 if torch.cuda.device_count() >= 2 else 64)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cdist, "_said_gloo", False)
+    assert cdist.pick_for(1, cpu="small", gpu="big") == "big" and cdist.pick_for(2, cpu="small", gpu="big") == "small"
+    assert [cdist.backend_for(n) for n in (1, 2, 4, 4)] == ["nccl", "gloo", "gloo", "gloo"]
+    # Said once per process, so a cell's output does not depend on how many launches came before.
+    assert capsys.readouterr().out.count("use gloo on the CPU") == 1
 
 
 def test_concurrent_launches_keep_to_their_own_groups() -> None:
