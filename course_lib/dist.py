@@ -185,6 +185,9 @@ def _worker(
     try:
         # Under spawn the function arrives as bytes (serialised by value); under fork it is the object itself.
         fn, args, kwargs = pickle.loads(payload) if isinstance(payload, bytes) else payload
+        # A spawned rank starts with Python's default warning filters; the notebook's are the course's.
+        from course_lib.env import quiet_warnings
+        quiet_warnings()
         if backend == "nccl":
             torch.cuda.set_device(rank)
         # One intra-op thread per rank. A forked child whose parent has already used the OpenMP

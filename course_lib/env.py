@@ -44,6 +44,9 @@ _QUIET = [
     (r".*torch\.cuda\.amp\..*", FutureWarning),
     # torch.profiler on CUDA, when a schedule-less profile ends: a note about its own bookkeeping.
     (r".*Profiler clears events at the end of each cycle.*", UserWarning),
+    # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to *_single; the GPU
+    # runners' torch 2.11 has only the old names, which the course therefore keeps using.
+    (r".*torch\.distributed\.\w+. is deprecated\. Please use .torch\.distributed\.\w+_single.*", FutureWarning),
 ]
 
 
