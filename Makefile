@@ -25,7 +25,7 @@ ifeq ($(TORCH_BUILD),auto)
   TORCH_BUILD := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 endif
 
-.PHONY: install lab test test-gpu release bench audit clean help
+.PHONY: install sandbox-deps browser-deps lab test test-browser test-gpu notebooks-run multi-gpu release bench bench-grading audit clean help
 help:
 	@sed -n '2,10p' Makefile
 
@@ -44,6 +44,14 @@ endif
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (Training at Speed)" >/dev/null
 	@touch $@
 
+# System packages (Debian/Ubuntu, as root): bubblewrap for the grader's sandbox, chromium for the
+# browser test. Each is skipped when already there.
+sandbox-deps:
+	@command -v bwrap >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap; }
+
+browser-deps:
+	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; }
+
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
@@ -51,12 +59,36 @@ lab: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n $(JOBS) --dist loadscope --nbval-lax -m "not gpu" tests solutions
 
+# JupyterLab in headless Chromium: open a released notebook, run all cells, check for errors, screenshot.
+# (Also part of `make test` when chromium is installed; skipped there otherwise.)
+test-browser: $(STAMP) browser-deps
+	$(PY) -m pytest -m browser tests/test_browser.py
+
 # GPU tier (on a CUDA machine): kernels compiled, NCCL, every solution notebook in GPU mode.
 test-gpu: $(STAMP)
-	$(PY) -m pytest --nbval-lax tests solutions
+	$(PY) -m pytest --nbval-lax -m "not browser" tests solutions
+
+# Every solution notebook executed once, outputs kept, with its run time (docs/gpu-run.md's table).
+notebooks-run: $(STAMP)
+	$(PY) -m benchmarks.notebooks --out $(or $(OUT),artifacts/notebooks)
+
+# Multi-GPU host: each distributed chapter under torchrun (checks against one process), then the
+# NCCL benchmark (docs/multi-gpu.md). NPROC: GPUs to use.
+NPROC ?= 2
+DIST_MODULES := collectives data_parallel tensor_parallel pipeline_parallel context_parallel hybrid
+multi-gpu: $(STAMP)
+	@mkdir -p $(or $(OUT),artifacts/multi-gpu)
+	@for m in $(DIST_MODULES); do \
+	  echo "== course_lib.$$m"; \
+	  $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m course_lib.$$m || exit 1; done
+	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m benchmarks.distributed --out $(or $(OUT),artifacts/multi-gpu)
 
 release: $(STAMP)
 	$(PY) -m autograder release
+
+# Grading throughput: 100 submissions of chapter 01 with --jobs 2 (the figure in INSTRUCTORS.md).
+bench-grading: $(STAMP) sandbox-deps
+	$(PY) -m autograder.bench --submissions 100 --jobs 2 --chapter 01_floating_point
 
 # Benchmark suite (on a CUDA machine): our kernels against PyTorch's, written to benchmarks/results/.
 bench: $(STAMP)

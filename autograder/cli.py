@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .config import DEFAULT_CELL_TIMEOUT, DEFAULT_SUBMISSION_TIMEOUT
 from .course import Course, UnknownChapterError, default_course_root
+from .sandbox import DEFAULT_MAX_PROCESSES, DEFAULT_MEMORY_BYTES
 
 RELEASE_HELP = """\
 Generate the student notebooks notebooks/NN_name/NN_name.ipynb from the instructor
@@ -29,13 +30,26 @@ writes:
   OUT/grades.csv         student_id,chapter,score,max_score,status,message
                          (a row per student and chapter folder, sorted)
   OUT/grades_detail.csv  student_id,chapter,grade_id,score,max_score (a row per graded cell)
+  OUT/export.csv         student_id,<one column per chapter>,total,max_total (a row per
+                         student: for a spreadsheet or an LMS import)
   OUT/feedback/<student_id>/<chapter>.html
+  OUT/.done/             the finished grades, for resuming
 
 status: ok (graded, whatever the score); unknown_chapter (no such chapter in
 solutions/); missing_notebook (no <chapter>.ipynb in the folder; the message lists what
 is there); invalid_notebook (not a readable notebook); timeout (stopped after --timeout
 seconds); error (autograde failed, e.g. the kernel died; the message has the last log
-line). A submission that is not ok scores 0 and gets no feedback file.
+line). A submission that is not ok scores 0 and gets no feedback file. The message of an
+ok row names the first failing tests.
+
+sandbox: each kernel runs under bubblewrap (no network, no view of solutions/, of other
+submissions or of OUT; writable: only its own scratch folder and a private /tmp) with a
+process limit (pids cgroup) and a memory limit; test cells are run and scored by a judge
+that student code cannot redefine (see INSTRUCTORS.md). Without bwrap, grade refuses
+(exit 2) unless --no-sandbox is given.
+
+resume: each finished submission is recorded in OUT/.done/; a rerun into the same OUT
+skips what is recorded (same notebook bytes, same source) unless --force.
 
 exit status: 0 every submission graded (status ok); 1 at least one submission not ok;
 2 usage error (SUBMISSIONS missing or holding no submission, unknown --chapter)."""
@@ -95,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="time limit per submission; it is killed after (default: %(default)s)")
     grade.add_argument("--cell-timeout", type=_positive_int, default=DEFAULT_CELL_TIMEOUT, metavar="SECONDS",
                        help="time limit per cell; the cell is interrupted and scores 0 (default: %(default)s)")
+    grade.add_argument("--no-sandbox", action="store_true",
+                       help="run kernels without bubblewrap (only for trusted notebooks; the judge still runs)")
+    grade.add_argument("--force", action="store_true",
+                       help="regrade every submission, also those an earlier run into --out already graded")
+    grade.add_argument("--max-processes", type=_positive_int, default=DEFAULT_MAX_PROCESSES, metavar="N",
+                       help="processes and threads per submission, where a pids cgroup is available (default: %(default)s)")
+    grade.add_argument("--memory-gb", type=_positive_float, default=DEFAULT_MEMORY_BYTES / 2**30, metavar="GB",
+                       help="memory per kernel process: RLIMIT_AS on a CPU, a memory cgroup on a GPU machine "
+                            "(default: %(default)s)")
     grade.set_defaults(handler=_grade, parser=grade)
 
     validate = commands.add_parser("validate", parents=[common], formatter_class=fmt, description=VALIDATE_HELP,
@@ -138,6 +161,7 @@ def _release(args: argparse.Namespace, course: Course) -> int:
 def _grade(args: argparse.Namespace, course: Course) -> int:
     """``grade``: check the arguments, then grade every submission."""
     from .grade import find_submissions, grade_submissions
+    from .sandbox import SandboxUnavailable, check_available
 
     if not args.submissions.is_dir():
         args.parser.error(f"SUBMISSIONS folder not found: {args.submissions}")
@@ -148,9 +172,16 @@ def _grade(args: argparse.Namespace, course: Course) -> int:
             args.parser.error(str(exc))
     if not find_submissions(args.submissions, args.chapter):
         args.parser.error(f"no submissions in {args.submissions} (expected <student_id>/<chapter>/<chapter>.ipynb)")
+    if not args.no_sandbox:
+        try:
+            check_available()
+        except SandboxUnavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     grades = grade_submissions(
         course, args.submissions, args.out, chapter=args.chapter, jobs=args.jobs,
-        timeout=args.timeout, cell_timeout=args.cell_timeout,
+        timeout=args.timeout, cell_timeout=args.cell_timeout, sandbox=not args.no_sandbox, force=args.force,
+        max_processes=args.max_processes, memory_bytes=int(args.memory_gb * 2**30),
     )
     return 0 if all(g.status == "ok" for g in grades) else 1
 

@@ -36,9 +36,11 @@ _NOISY_LIBRARIES = r"(?:torch|triton|jupyter_client|jupyter_core|ipykernel|IPyth
 #   /…/site-packages/torch/nn/modules/module.py:1234: UserWarning: message
 # optionally followed by the indented source line it points at. (A warning that Python
 # attributes to the student's cell, or to any other file, is not matched.)
+# ``course_lib.dist`` relays a rank's stderr with a "[rank N] " prefix on every line.
+_RANK = r"(?:\[rank \d+\] )?"
 _LIBRARY_WARNING = (
-    r"(?:[A-Za-z]:)?[^\n:]*[/\\](?:site|dist)-packages[/\\]" + _NOISY_LIBRARIES + r"[/\\][^\n:]*\.py:\d+: "
-    r"\w*Warning: [^\n]*(?:\n|\Z)(?:[ \t]+[^\n]*(?:\n|\Z))?"
+    _RANK + r"(?:[A-Za-z]:)?[^\n:]*[/\\](?:site|dist)-packages[/\\]" + _NOISY_LIBRARIES + r"[/\\][^\n:]*\.py:\d+: "
+    r"\w*Warning: [^\n]*(?:\n|\Z)(?:" + _RANK + r"[ \t]+[^\n]*(?:\n|\Z))?"
 )
 # A warning that PyTorch's C++ core prints itself, e.g. from gloo's sockets in distributed
 # chapters: "[W1129 16:00:00.123456789 socket.cpp:697] [c10d] The client socket has failed

@@ -2,20 +2,75 @@
 
 Started by ``autograder.grade`` in a scratch course directory that holds a copy of the
 chapter's gradebook and ``submitted/<student>/<chapter>/<chapter>.ipynb``; the parent
-enforces the time limit by killing this process and everything it started.
+enforces the time limit by killing this process and everything it started. The kernel runs
+through a kernelspec written here: in bubblewrap (``autograder.sandbox``), with the judge
+(``autograder.kernel``), and nbgrader's Execute step is ``autograder.execute.JudgedExecute``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import os
+import secrets
 from pathlib import Path
 
+from traitlets.config import Config
+
 from .config import nbgrader_config
+from .course import is_test_cell, read_notebook
+from .kernel import CONFIG_VARIABLE
 from .logs import failure_reason
+from .sandbox import KERNEL_NAME, KernelSandbox, kernel_environment
 
 
-def grade_submission(scratch: Path, source_dir: Path, chapter: str, student: str, cell_timeout: int) -> dict:
+def trusted_imports(source_notebook: Path) -> list[str]:
+    """The top-level import statements of the instructor's cells (every cell but the solution cells)."""
+    statements = []
+    for cell in read_notebook(source_notebook).cells:
+        if cell.cell_type != "code" or cell.metadata.get("nbgrader", {}).get("solution"):
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue
+        statements += [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    return list(dict.fromkeys(statements))
+
+
+def judged_config(scratch: Path, source_dir: Path, chapter: str, student: str, *, sandboxed: bool,
+                  memory_bytes: int | None) -> Config:
+    """Settings that run the submission's kernel in the sandbox with the judge, and the files that go with them."""
+    from nbgrader.converters import Autograde
+    from nbgrader.preprocessors import Execute
+
+    from .execute import JudgedExecute
+
+    ipc_dir, jupyter_dir = scratch / "ipc", scratch / "jupyter"
+    ipc_dir.mkdir(exist_ok=True)
+    judge_name, verdicts = f"__judge_{secrets.token_hex(8)}__", ipc_dir / "verdicts.jsonl"
+    settings = {"imports": trusted_imports(source_dir / chapter / f"{chapter}.ipynb"), "verdicts": str(verdicts),
+                "name": judge_name, "memory_bytes": memory_bytes}
+    (ipc_dir / "judge.json").write_text(json.dumps(settings), encoding="utf-8")
+    env = {**kernel_environment(dict(os.environ)), CONFIG_VARIABLE: str(ipc_dir / "judge.json")}
+    notebook_dir = scratch / "autograded" / student / chapter
+    KernelSandbox(notebook_dir, ipc_dir, env, sandboxed).write_kernelspec(jupyter_dir)
+    os.environ.update(JUPYTER_PATH=str(jupyter_dir), JUPYTER_RUNTIME_DIR=str(ipc_dir))
+    c = Config()
+    steps = Autograde.class_traits()["autograde_preprocessors"].default()
+    c.Autograde.autograde_preprocessors = [JudgedExecute if step is Execute else step for step in steps]
+    c.JudgedExecute.kernel_name = KERNEL_NAME
+    c.JudgedExecute.judge_name = judge_name
+    c.JudgedExecute.verdict_file = str(verdicts)
+    c.KernelManager.transport = "ipc"
+    c.KernelManager.ip = str(ipc_dir / "kernel")
+    c.KernelManager.connection_file = str(ipc_dir / "connection.json")
+    return c
+
+
+def grade_submission(scratch: Path, source_dir: Path, chapter: str, student: str, cell_timeout: int, *,
+                     sandboxed: bool = True, memory_bytes: int | None = None) -> dict:
     """Autograde and make feedback for one submission in ``scratch``; return status, scores and per-cell grades."""
     from nbgrader.api import Gradebook
     from nbgrader.apps import NbGraderAPI
@@ -28,23 +83,38 @@ def grade_submission(scratch: Path, source_dir: Path, chapter: str, student: str
         release_directory=str(scratch / "release"),
         cell_timeout=cell_timeout,
     )
+    config.merge(judged_config(scratch, source_dir, chapter, student, sandboxed=sandboxed, memory_bytes=memory_bytes))
     api = NbGraderAPI(config=config)
     for step, run in (("autograde", api.autograde), ("generate_feedback", api.generate_feedback)):
         result = run(chapter, student)
         if not result["success"]:
-            return {"status": "error", "message": f"{step} failed: {failure_reason(result)}"}
+            reason = failure_reason(result)
+            status = "timeout" if "CellTimeoutError" in reason else "error"
+            return {"status": status, "message": f"{step} failed: {reason}"}
     with Gradebook(config.CourseDirectory.db_url) as gb:
         submission = gb.find_submission(chapter, student)
         notebook = gb.find_submission_notebook(chapter, chapter, student)
         cells = [[g.name, g.score, g.max_score] for g in notebook.grades]
         manual = sorted(g.name for g in notebook.grades if g.needs_manual_grade)
+        failed = failed_tests(scratch / "autograded" / student / chapter / f"{chapter}.ipynb")
+        notes = [f"needs manual grading: {', '.join(manual)}"] * bool(manual) + [f"failed: {failed}"] * bool(failed)
         return {
             "status": "ok",
             "score": submission.score,
             "max_score": submission.max_score,
             "cells": cells,
-            "message": f"needs manual grading: {', '.join(manual)}" if manual else "",
+            "message": "; ".join(notes),
         }
+
+
+def failed_tests(autograded: Path, limit: int = 3) -> str:
+    """``grade_id (Error: message)`` of the first failing test cells of a graded notebook, for grades.csv."""
+    failed = []
+    for cell in read_notebook(autograded).cells if autograded.is_file() else []:
+        errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
+        if is_test_cell(cell) and errors:
+            failed.append(f"{cell.metadata.nbgrader['grade_id']} ({errors[0].ename}: {errors[0].evalue})"[:160])
+    return ", ".join(failed[:limit]) + (f" and {len(failed) - limit} more" if len(failed) > limit else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--student", required=True)
     parser.add_argument("--cell-timeout", type=int, required=True)
     parser.add_argument("--result", type=Path, required=True, help="JSON file to write the result to")
+    parser.add_argument("--no-sandbox", action="store_true", help="run the kernel without bubblewrap")
+    parser.add_argument("--memory-bytes", type=int, default=None, help="RLIMIT_AS of the kernel (CPU grading)")
     args = parser.parse_args(argv)
-    result = grade_submission(args.scratch, args.source, args.chapter, args.student, args.cell_timeout)
+    result = grade_submission(args.scratch, args.source, args.chapter, args.student, args.cell_timeout,
+                              sandboxed=not args.no_sandbox, memory_bytes=args.memory_bytes)
     args.result.write_text(json.dumps(result), encoding="utf-8")
     return 0
 

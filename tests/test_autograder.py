@@ -41,6 +41,7 @@ from nbformat import NotebookNode
 from autograder.cli import main
 from autograder.config import HARMLESS_STDERR
 from autograder.course import Course, graded_points, is_test_cell
+from autograder.sandbox import bwrap_path
 
 ROOT = Path(__file__).resolve().parents[1]
 COURSE = Course(ROOT)
@@ -59,8 +60,15 @@ get_ipython().events.register("pre_run_cell", _spy)
 """
 
 
+# Grading runs in the bubblewrap sandbox where bwrap is installed (CI installs it); on a laptop
+# without it the end-to-end tests grade unsandboxed, which changes nothing they check.
+SANDBOX_ARGS: list[str] = [] if bwrap_path() else ["--no-sandbox"]
+
+
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `python -m autograder ARGS` from the project root."""
+    """Run `python -m autograder ARGS` from the project root (``grade`` without a sandbox where bwrap is missing)."""
+    if args[:1] == ("grade",):
+        args = (*args, *SANDBOX_ARGS)
     command = [sys.executable, "-m", "autograder", *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
