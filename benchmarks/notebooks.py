@@ -1,0 +1,84 @@
+"""Execute every solution notebook once, keep the executed copies, and time each one.
+
+    python -m benchmarks.notebooks --out DIR [CHAPTER ...]
+
+Writes ``DIR/<chapter>.ipynb`` (executed, outputs kept: the artefacts a GPU runner uploads) and
+``DIR/times.json`` / ``DIR/times.md``: per notebook the wall time, the device it ran on and the
+cells that raised. The run goes on after a failing notebook; the exit status is 1 when any
+notebook raised, else 0. Used for the run-time table of docs/gpu-run.md, on a CPU and on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from tqdm.auto import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def chapters(names: list[str]) -> list[Path]:
+    """The solution notebooks to run: the named chapters, or all of them in order."""
+    found = sorted(ROOT.glob("solutions/[0-9][0-9]_*/[0-9][0-9]_*.ipynb"))
+    if not names:
+        return found
+    by_name = {p.parent.name: p for p in found}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown chapter(s): {', '.join(unknown)}; known: {', '.join(by_name)}")
+    return [by_name[n] for n in names]
+
+
+def run_notebook(path: Path, out_dir: Path, cell_timeout: int) -> dict:
+    """Execute one notebook in its own folder; save the executed copy; return its time and errors."""
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(path.parent)}})
+    start = time.perf_counter()
+    client.execute()
+    seconds = time.perf_counter() - start
+    errors = [
+        f"cell {c.get('id')}: {o.ename}: {o.evalue.splitlines()[0] if o.evalue else ''}"[:300]
+        for c in nb.cells if c.cell_type == "code"
+        for o in c.get("outputs", []) if o.output_type == "error"
+    ]
+    nbformat.write(nb, out_dir / path.name)
+    return {"chapter": path.parent.name, "seconds": round(seconds, 1), "errors": errors}
+
+
+def device_name() -> str:
+    """What the notebooks ran on, as the course banner says it."""
+    from course_lib import env
+    return env.banner()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the notebooks, write the executed copies and the time table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("chapters", nargs="*", help="chapter folder names (default: all)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for executed notebooks and times.*")
+    parser.add_argument("--cell-timeout", type=int, default=900)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = [run_notebook(p, args.out, args.cell_timeout) for p in tqdm(chapters(args.chapters), desc="notebooks")]
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device_name(), "notebooks": rows,
+              "total_seconds": round(sum(r["seconds"] for r in rows), 1)}
+    (args.out / "times.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"# Solution notebooks, executed once", "", f"- {report['device']}", f"- {report['date']}", "",
+             "| chapter | seconds | errors |", "|---|---:|---|"]
+    lines += [f"| {r['chapter']} | {r['seconds']:.0f} | {'; '.join(r['errors']) or 'none'} |" for r in rows]
+    lines += [f"| total | {report['total_seconds']:.0f} | |", ""]
+    (args.out / "times.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
