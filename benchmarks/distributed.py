@@ -20,7 +20,7 @@ Sections:
     pipeline    the bubble fraction measured by course_lib.pipeline_parallel's own torchrun entry
                 against (p - 1) / (m + p - 1), started by rank 0 after the other sections as
                 ``torchrun --standalone --nproc_per_node N -m course_lib.pipeline_parallel`` (it sets
-                up its own process group); skipped, saying so, while that module does not exist.
+                up its own process group).
 
 Before the process group starts, NVLink multicast stays off unless the environment says otherwise:
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1
@@ -34,10 +34,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -51,15 +49,10 @@ from torch import nn
 
 from benchmarks.report import RATIO_CONVENTION, Result, Target
 from course_lib import collectives, data_parallel, models
-from course_lib.dist import rank_device, run_as_script
+from course_lib.dist import rank_device, run_as_script, run_entry
 
 SCHEMA_VERSION = 1
 BUCKET_MB = 25.0
-# Variables torchrun sets for its workers: a nested torchrun must not inherit ours.
-_TORCHRUN_VARS = {
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -148,7 +141,7 @@ def all_reduce_section(small: bool) -> dict[str, Any]:
 
 def ddp_section(small: bool) -> dict[str, Any]:
     """One GPT step under BucketedDDP and torch's DDP, next to compute only, communication only and naive DDP."""
-    device, world = rank_device(), dist.get_world_size()
+    device = rank_device()
     cfg = models.GPTConfig.tiny() if small else models.GPTConfig.small()
     batch = 2 if small else 8
     base = models.GPT(cfg, seed=0)
@@ -221,25 +214,16 @@ def ddp_section(small: bool) -> dict[str, Any]:
 
 def pipeline_section(world: int, small: bool, timeout: float = 600.0) -> dict[str, Any]:
     """Run ``course_lib.pipeline_parallel``'s torchrun entry on ``world`` ranks and keep its CHECK lines and RESULT."""
-    if importlib.util.find_spec("course_lib.pipeline_parallel") is None:
-        return {"skipped": "course_lib.pipeline_parallel does not exist yet: no bubble measurement in this run"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-               "-m", "course_lib.pipeline_parallel", *(["--small"] if small else [])]
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
-    shown = "torchrun --standalone --nproc_per_node {} -m course_lib.pipeline_parallel{}".format(world, " --small" if small else "")
+    args = ["--small"] if small else []
+    shown = f"torchrun --standalone --nproc_per_node {world} -m course_lib.pipeline_parallel {' '.join(args)}".rstrip()
     try:
-        run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"command": shown, "error": f"still running after {timeout:g} s"}
-    lines = run.stdout.splitlines()
-    results = [line.removeprefix("RESULT ") for line in lines if line.startswith("RESULT ")]
-    if run.returncode != 0 or not results:
-        tail = "\n".join((run.stdout + run.stderr).splitlines()[-15:])
-        return {"command": shown, "error": f"exit status {run.returncode}, {len(results)} RESULT line(s); last output:\n{tail}"}
+        run = run_entry("course_lib.pipeline_parallel", world, *args, timeout=timeout)
+    except RuntimeError as err:
+        return {"command": shown, "error": str(err)}
     return {
         "command": shown,
-        "checks": [line for line in lines if line.startswith("CHECK ")],
-        "result": json.loads(results[-1]),
+        "checks": [f"CHECK {name} ok" for name in run.checks],
+        "result": run.result,
         "formula": "(p - 1) / (m + p - 1) for p stages and m micro-batches",
     }
 
@@ -318,9 +302,7 @@ def to_markdown(run: dict[str, Any]) -> str:
     lines += ["", f"BucketedDDP / torch DDP time: {row.ours / row.reference:.3f} (target <= 1.1: {verdict})."]
     pipe = s["pipeline"]
     lines += ["", "## Pipeline bubble fraction", ""]
-    if "skipped" in pipe:
-        lines.append(f"Skipped: {pipe['skipped']}.")
-    elif "error" in pipe:
+    if "error" in pipe:
         lines += [f"`{pipe['command']}` failed:", "", "```", pipe["error"], "```"]
     else:
         lines += [f"From `{pipe['command']}`; formula {pipe['formula']}.", "", "| key | value |", "|---|---|"]

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device_name(), "notebooks": rows,
               "total_seconds": round(sum(r["seconds"] for r in rows), 1)}
     (args.out / "times.json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = [f"# Solution notebooks, executed once", "", f"- {report['device']}", f"- {report['date']}", "",
+    lines = ["# Solution notebooks, executed once", "", f"- {report['device']}", f"- {report['date']}", "",
              "| chapter | seconds | errors |", "|---|---:|---|"]
     lines += [f"| {r['chapter']} | {r['seconds']:.0f} | {'; '.join(r['errors']) or 'none'} |" for r in rows]
     lines += [f"| total | {report['total_seconds']:.0f} | |", ""]

@@ -7,7 +7,7 @@ Two runs of the same model on the same batches, and what separates them:
                torch.compile, fused AdamW, optional activation checkpointing per block
 
     from course_lib import capstone
-    result = capstone.compare(capstone.RunConfig.preset(steps=20))
+    result = capstone.compare(capstone.RunConfig.for_this_machine(steps=20))
     result["speedup"], result["optimized"].mfu
 
 MFU counts model FLOPs as ``planner.model_flops`` does (6 x matmul parameters x tokens plus the
@@ -57,7 +57,7 @@ class RunConfig:
     seed: int = 0
 
     @classmethod
-    def preset(cls, steps: int = 20) -> RunConfig:
+    def for_this_machine(cls, steps: int = 20) -> RunConfig:
         """Tiny on a CPU (no compile: it costs more than it saves there); GPT-2 small, batch 32 x 1024 on a GPU."""
         return env.pick(
             cpu=cls("tiny", steps=steps, batch_size=8, compile=False),

@@ -23,18 +23,22 @@ from __future__ import annotations
 
 import ctypes
 import io
+import json
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -55,6 +59,7 @@ __all__ = [
     "pick_for",
     "rank_device",
     "run_as_script",
+    "run_entry",
 ]
 
 # After SIGTERM, how long a rank may take to exit before it is killed.
@@ -484,3 +489,46 @@ def run_as_script(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     finally:
         dist.destroy_process_group()
+
+
+# Variables torchrun sets for its workers: a torchrun started from inside one must not inherit them.
+_TORCHRUN_VARS = {
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+}
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class EntryRun:
+    """What a chapter's torchrun entry printed: the names of its ``CHECK <name> ok ...`` lines and its ``RESULT``."""
+
+    checks: list[str]
+    result: dict[str, Any]
+    stdout: str
+
+
+def run_entry(module: str, nproc: int, *args: str, timeout: float = 600.0) -> EntryRun:
+    """Run ``torchrun --standalone --nproc_per_node nproc -m module *args`` from the project root; parse what it printed.
+
+    ``--standalone`` gives each run its own free port, so runs in parallel do not meet. Raises
+    RuntimeError, with the end of the output, when the run fails, times out or prints no RESULT.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "-m", module, *args]
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    shown = f"torchrun --standalone --nproc_per_node {nproc} -m {module} {' '.join(args)}".rstrip()
+    try:
+        run = subprocess.run(command, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{shown}: still running after {timeout:g} s") from None
+    lines = run.stdout.splitlines()
+    results = [line.removeprefix("RESULT ") for line in lines if line.startswith("RESULT ")]
+    if run.returncode != 0 or not results:
+        tail = "\n".join((run.stdout + run.stderr).splitlines()[-30:])
+        raise RuntimeError(f"{shown}: exit status {run.returncode}, {len(results)} RESULT line(s); last output:\n{tail}")
+    checks = [line.removeprefix("CHECK ").split(" ok max_abs_err=")[0] for line in lines
+              if line.startswith("CHECK ") and " ok max_abs_err=" in line]
+    return EntryRun(checks, json.loads(results[-1]), run.stdout)

@@ -28,7 +28,6 @@ MFU              model FLOPs (no recomputation) / (GPUs x peak x step time).
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 

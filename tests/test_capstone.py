@@ -3,7 +3,7 @@
 import json
 import math
 
-from course_lib import capstone, models, planner
+from course_lib import capstone, models
 
 
 def test_flops_per_step_is_six_n_plus_attention():
@@ -25,7 +25,7 @@ def test_tiny_run_learns_and_reports():
 
 
 def test_baseline_switches_everything_off():
-    base = capstone.RunConfig.preset().baseline()
+    base = capstone.RunConfig.for_this_machine().baseline()
     assert not (base.bf16 or base.compile or base.fused_adam or base.checkpointing)
 
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +11,7 @@ import torch.distributed as dist
 from course_lib import context_parallel as cp
 from course_lib import tensor_parallel as tp
 from course_lib.attention import attention_lse, naive_attention
+from course_lib import dist as cdist
 from course_lib.dist import launch
 from course_lib.testing import assert_close
 
@@ -148,16 +145,9 @@ def test_ring_attention_fp32_many_heads() -> None:
 
 
 def test_torchrun_entry() -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "course_lib.context_parallel", "--small"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    checks = [line for line in run.stdout.splitlines() if line.startswith("CHECK ")]
-    assert len(checks) == 9 and all(" ok max_abs_err=" in line for line in checks), run.stdout
-    result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    run = cdist.run_entry("course_lib.context_parallel", 2, "--small", timeout=120)
+    assert len(run.checks) == 9, run.stdout
+    result = run.result
     assert result["world_size"] == 2
     assert result["ring_forward_bytes_received_per_rank"] == result["ring_forward_bytes_formula"]
     assert len(set(result["causal_zigzag_work_per_rank"])) == 1

@@ -1,14 +1,11 @@
 """Tests for course_lib.hybrid: mesh arithmetic, groups built by hand vs init_device_mesh, DP x TP vs one process."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
-import torch.distributed as dist
 
 from course_lib import hybrid
+from course_lib import dist as cdist
 from course_lib.dist import assert_matches_reference, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,15 +68,8 @@ def test_reference_shard_tp1_is_the_model():
 
 
 def test_torchrun_entry_small():
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "course_lib.hybrid", "--small"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    checks = [l for l in lines if l.startswith("CHECK ")]
-    assert len(checks) == 4 and all(" ok " in l for l in checks), proc.stdout
-    result = json.loads(next(l for l in lines if l.startswith("RESULT "))[len("RESULT "):])
+    run = cdist.run_entry("course_lib.hybrid", 2, "--small", timeout=120)
+    assert len(run.checks) == 4, run.stdout
+    result = run.result
     assert result["world_size"] == 2 and set(result["layouts"]) == {"dp1xtp2", "dp2xtp1"}
     assert all(v["step_s"] > 0 for v in result["layouts"].values())

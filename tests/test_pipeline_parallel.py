@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +10,7 @@ import torch.distributed as dist
 import torch.distributed.pipelining  # noqa: F401  (imported before forking, so ranks do not each import it)
 
 from course_lib import pipeline_parallel as pp
+from course_lib import dist as cdist
 from course_lib.dist import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,16 +136,9 @@ def test_torch_pipelining_agrees():
 
 
 def test_torchrun_entry():
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "course_lib.pipeline_parallel", "--small"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    for name in ("naive", "gpipe", "1f1b"):
-        assert any(line.startswith(f"CHECK {name} ok") for line in lines), proc.stdout
-    result = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT "):])
+    run = cdist.run_entry("course_lib.pipeline_parallel", 2, "--small", timeout=120)
+    assert run.checks == ["naive", "gpipe", "1f1b"], run.stdout
+    result = run.result
     assert result["world_size"] == 2
     for name in ("naive", "gpipe", "1f1b"):
         assert len(result[name]["bubble_measured"]) == 2 and len(result[name]["peak_activation_bytes"]) == 2

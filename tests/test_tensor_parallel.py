@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +12,7 @@ from torch import nn
 import torch.distributed.tensor.parallel  # noqa: F401  (imported before forking, so ranks do not each import it)
 
 from course_lib import models
+from course_lib import dist as cdist
 from course_lib import tensor_parallel as tp
 from course_lib.dist import RankError, launch
 from course_lib.testing import NotDoneYet, assert_close
@@ -273,18 +268,10 @@ def test_student_or_reference_falls_back_only_when_not_implemented(capsys: pytes
 # ---- the torchrun entry -------------------------------------------------------------------------
 
 
-def _torchrun(module: str, *args: str, timeout: float = 120) -> tuple[list[str], dict]:
-    """Run ``torchrun --standalone --nproc_per_node 2 -m module --small`` (gloo, CPU); return its CHECK names and RESULT."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", module, "--small", *args],
-        cwd=root, env=env, capture_output=True, text=True, timeout=timeout,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    checks = re.findall(r"^CHECK (.+) ok max_abs_err=\S+$", run.stdout, flags=re.MULTILINE)
-    [result] = [json.loads(line.removeprefix("RESULT ")) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    return checks, result
+def _torchrun(module: str, *args: str) -> tuple[list[str], dict]:
+    """The CHECK names and RESULT of ``torchrun --nproc_per_node 2 -m module --small`` (gloo, CPU)."""
+    run = cdist.run_entry(module, 2, "--small", *args, timeout=120)
+    return run.checks, run.result
 
 
 def test_torchrun_entry_checks_every_layer_forward_and_backward() -> None:
