@@ -6,7 +6,7 @@
 #   TORCH_BUILD  auto | cpu | cuda. auto picks cuda when `nvidia-smi -L` finds a GPU, else cpu.
 #                cpu installs a CPU-only torch: a wheel pip already has on disk (its find-links)
 #                when there is one, else PyTorch's CPU wheel index; never the multi-GB CUDA build.
-#   TORCH_VERSION, TORCH_CPU_INDEX, JOBS (pytest workers), LAB_ARGS (extra JupyterLab flags)
+#   TORCH_VERSION, TORCH_CPU_INDEX, JOBS / GPU_JOBS (pytest workers), LAB_ARGS (extra JupyterLab flags)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -64,9 +64,11 @@ test: $(STAMP)
 test-browser: $(STAMP) browser-deps
 	$(PY) -m pytest -m browser tests/test_browser.py
 
-# GPU tier (on a CUDA machine): kernels compiled, NCCL, every solution notebook in GPU mode.
+# GPU tier (on a CUDA machine): kernels compiled, NCCL, every solution notebook in GPU mode, grading
+# end to end. GPU_JOBS workers share the GPU (two keep chapter 07's large-memory cells clear of the rest).
+GPU_JOBS ?= 2
 test-gpu: $(STAMP)
-	$(PY) -m pytest --nbval-lax -m "not browser" tests solutions
+	$(PY) -m pytest -n $(GPU_JOBS) --dist loadscope --nbval-lax -m "not browser" tests solutions
 
 # Every solution notebook executed once, outputs kept, with its run time (docs/gpu-run.md's table).
 notebooks-run: $(STAMP)
