@@ -464,8 +464,12 @@ def assert_matches_reference(
     assert_close(_to_cpu(actual), _to_cpu(expected), rtol=rtol, atol=atol, name=name)
 
 
-def init_from_torchrun() -> tuple[int, int]:
-    """Initialise the default group from torchrun's environment, set this rank's GPU; return (rank, world_size)."""
+def init_from_torchrun(timeout: float = 300.0) -> tuple[int, int]:
+    """Initialise the default group from torchrun's environment, set this rank's GPU; return (rank, world_size).
+
+    A collective or send/recv that waits longer than ``timeout`` seconds fails (NCCL's watchdog
+    names the operation) instead of hanging the job.
+    """
     missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
         raise RuntimeError(
@@ -478,13 +482,14 @@ def init_from_torchrun() -> tuple[int, int]:
     backend = backend_for(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout))
     return rank, world_size
 
 
-def run_as_script(fn: Callable[..., Any], *args: Any) -> Any:
-    """Under torchrun: initialise the group, run ``fn(*args)``, destroy the group; return what ``fn`` returned."""
-    init_from_torchrun()
+def run_as_script(fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> Any:
+    """Under torchrun: initialise the group (``timeout`` as in ``init_from_torchrun``), run ``fn(*args)``, destroy the group."""
+    init_from_torchrun(timeout)
     try:
         return fn(*args)
     finally:
