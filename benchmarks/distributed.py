@@ -24,7 +24,7 @@ Sections:
 
 Before the process group starts, NVLink multicast stays off unless the environment says otherwise:
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1
-(``collectives.set_nccl_env_defaults``).
+(``course_lib.dist.set_nccl_env_defaults``).
 
 Rank 0 writes DIR/multi_gpu.json, DIR/multi_gpu.md and, with matplotlib, DIR/multi_gpu_busbw.png.
 """
@@ -49,7 +49,7 @@ from torch import nn
 
 from benchmarks.report import RATIO_CONVENTION, Result, Target
 from course_lib import collectives, data_parallel, models
-from course_lib.dist import rank_device, run_as_script, run_entry
+from course_lib.dist import max_abs_error, rank_device, report_check, run_as_script, run_entry, set_nccl_env_defaults
 
 SCHEMA_VERSION = 1
 BUCKET_MB = 25.0
@@ -120,7 +120,7 @@ def all_reduce_section(small: bool) -> dict[str, Any]:
     x = collectives.rank_input(0, dist.get_rank(), 2**16 + 1).to(device)
     ours, theirs = collectives.ring_all_reduce(x.clone()), x.clone()
     dist.all_reduce(theirs)
-    error = collectives.report_check("ring_all_reduce vs dist.all_reduce (65537 fp32)", ours, theirs, rtol=1e-5, atol=1e-5 * world)
+    error = report_check("ring_all_reduce vs dist.all_reduce (65537 fp32)", ours, theirs, rtol=1e-5, atol=1e-5 * world)
     sizes = [2**k for k in range(10, 17, 2)] if small else [2**k for k in range(10, 29, 2)]
     rows = []
     for n_bytes in sizes:
@@ -182,7 +182,7 @@ def ddp_section(small: bool) -> dict[str, Any]:
     ms["communication_only"] = time_ms(communication_only, iters, warmup)
     # Recorded, not asserted: with bf16 autocast, kernels such as flash attention's backward are not bitwise
     # deterministic, so the two runs differ a little even before the all-reduce (the chapter's entry checks exactly).
-    grad_error = _worst_over_ranks(collectives.max_abs_error(
+    grad_error = _worst_over_ranks(max_abs_error(
         [p.grad for p in models_by_mode["bucketed"].parameters()],
         [p.grad for p in models_by_mode["torch_ddp"].parameters()],
     ))
@@ -355,7 +355,7 @@ def _human(n_bytes: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Measure in every rank; rank 0 adds the pipeline section and writes the report."""
     args = parse_args(argv)
-    env = collectives.set_nccl_env_defaults()
+    env = set_nccl_env_defaults()
     run = run_as_script(measure, args.small)
     if int(os.environ["RANK"]) != 0:
         return 0

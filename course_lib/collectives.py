@@ -21,23 +21,17 @@ against the single-process reference and ``dist.all_reduce``, then times them:
 
     torchrun --nproc_per_node 4 -m course_lib.collectives [--small]
 
-``report_check``, ``report_result`` and ``set_nccl_env_defaults`` are shared by the torchrun
-entries of the distributed chapters.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 ALGORITHMS = ("naive", "direct", "ring", "tree")
 
@@ -648,65 +642,6 @@ def ping_pong(t: torch.Tensor) -> None:
 # Running under torchrun: checks and results printed by rank 0 (shared by chapters 11-16)
 # --------------------------------------------------------------------------------------------
 
-# NVLink multicast (NVLS) and symmetric memory stay off on the course's GPU hosts.
-NCCL_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def set_nccl_env_defaults() -> dict[str, str]:
-    """Set ``NCCL_ENV_DEFAULTS`` where the environment does not already say otherwise (call before init); return the values in force."""
-    for key, value in NCCL_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    return {key: os.environ[key] for key in NCCL_ENV_DEFAULTS}
-
-
-def _tensors_of(x: Any) -> list[torch.Tensor]:
-    """The tensors in ``x``: itself, those in a list, or a module's parameters and their gradients."""
-    if isinstance(x, nn.Module):
-        return [t for p in x.parameters() for t in (p, p.grad) if t is not None]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors_of(v)]
-    return [x]
-
-
-def max_abs_error(actual: Any, expected: Any) -> float:
-    """Largest ``|actual - expected|`` over tensors, lists of tensors, or two modules (parameters and gradients)."""
-    worst = 0.0
-    for a, e in zip(_tensors_of(actual), _tensors_of(expected)):
-        if a.numel():
-            diff = a.detach().cpu().to(torch.float64) - e.detach().cpu().to(torch.float64)
-            worst = max(worst, float(diff.abs().max()))
-    return worst
-
-
-def report_check(name: str, actual: Any, expected: Any, *, rtol: float | None = None, atol: float | None = None) -> float:
-    """Assert that a parallel result equals its single-process reference on this rank; rank 0 prints ``CHECK <name> ok max_abs_err=<x>``.
-
-    Every rank must call it for every check (the error is maximised over the ranks with an
-    all-reduce). Returns that maximum.
-    """
-    from course_lib.dist import assert_matches_reference, rank_device
-
-    assert_matches_reference(actual, expected, name=name, rtol=rtol, atol=atol)
-    worst = torch.tensor([max_abs_error(actual, expected)], dtype=torch.float64, device=rank_device())
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    if dist.get_rank() == 0:
-        print(f"CHECK {name} ok max_abs_err={worst.item():.3g}", flush=True)
-    return worst.item()
-
-
-def report_result(result: dict[str, Any]) -> None:
-    """Rank 0 prints ``RESULT <json>`` on one line: what a torchrun entry measured."""
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-
-
-def parse_torchrun_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line of a chapter's torchrun entry: ``--small`` for tiny sizes (gloo CPU ranks in CI)."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--small", action="store_true", help="tiny sizes, for gloo ranks on a CPU")
-    return parser.parse_args(argv)
-
-
 _P2P_COLLECTIVES: dict[str, Callable[..., Any]] = {
     "broadcast": broadcast_p2p,
     "scatter": scatter_p2p,
@@ -719,9 +654,9 @@ _P2P_COLLECTIVES: dict[str, Callable[..., Any]] = {
 }
 
 
-def _check_everything(small: bool) -> None:
-    """In a rank: every collective against the single-process reference, the ring against ``dist.all_reduce``, then timings."""
-    from course_lib.dist import rank_device
+def _check_everything(small: bool) -> dict[str, Any]:
+    """In a rank: every collective against the single-process reference, the ring against ``dist.all_reduce``; the timings."""
+    from course_lib.dist import rank_device, report_check
 
     rank, world = _me()
     device = rank_device()
@@ -742,7 +677,7 @@ def _check_everything(small: bool) -> None:
             if want is None or (isinstance(want, str) and want == ANY):  # not the root: nothing to compare
                 mine, want = [], []
             report_check(f"{fn.__name__} n={length} root={root} vs single-process", mine, want, rtol=1e-5, atol=1e-5 * world)
-    report_result(_all_reduce_timings(small, device))
+    return _all_reduce_timings(small, device)
 
 
 def _all_reduce_timings(small: bool, device: torch.device) -> dict[str, Any]:
@@ -772,11 +707,9 @@ def _all_reduce_timings(small: bool, device: torch.device) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry for ``torchrun --nproc_per_node N -m course_lib.collectives [--small]`` (needs N >= 2)."""
-    from course_lib.dist import run_as_script
+    from course_lib.dist import entry_main
 
-    args = parse_torchrun_args("Check the chapter-11 collectives on N ranks and time them.", argv)
-    set_nccl_env_defaults()
-    run_as_script(_check_everything, args.small)
+    entry_main(_check_everything, "Check the chapter-11 collectives on N ranks and time them.", argv)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,7 @@ algorithm against full attention on N ranks and print the chapter's measurements
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -507,7 +505,7 @@ def _timed(fn: Any, repeat: int, device: torch.device) -> float:
     return float(t)
 
 
-def main(small: bool = False) -> dict[str, Any]:
+def check_and_measure(small: bool = False) -> dict[str, Any]:
     """Run and check every algorithm on this world (call inside an initialised process group); rank 0 prints the lines."""
     from course_lib.dist import rank_device
 
@@ -562,14 +560,15 @@ def main(small: bool = False) -> dict[str, Any]:
         key = "time_with_overlap_s" if overlap else "time_without_overlap_s"
         result[key] = _timed(lambda: ring_attention_forward(qs, ks, vs, overlap=overlap), repeat, device)
     result["overlap_measured_on"] = "gpu" if on_gpu else "cpu (gloo; not meaningful for overlap)"
-    if rank == 0:
-        print("RESULT " + json.dumps(result), flush=True)
     return result
 
 
-if __name__ == "__main__":
-    from course_lib.dist import run_as_script
+def main(argv: Sequence[str] | None = None) -> None:
+    """``torchrun --nproc_per_node N -m course_lib.context_parallel [--small]``: check ring attention, print RESULT json."""
+    from course_lib.dist import entry_main
 
-    parser = argparse.ArgumentParser(description="Check ring attention on every rank of a torchrun world.")
-    parser.add_argument("--small", action="store_true", help="tiny sizes in fp64, for CPU ranks under gloo")
-    run_as_script(main, parser.parse_args().small)
+    entry_main(check_and_measure, "Check ring attention on every rank of a torchrun world.", argv)
+
+
+if __name__ == "__main__":
+    main()

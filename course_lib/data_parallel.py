@@ -729,7 +729,7 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 
 def _check_everything(small: bool) -> None:
     """In a rank: naive, bucketed and torch DDP, ZeRO-1 and torch's ZeRO against single-process training; then timings."""
-    from course_lib.collectives import report_check, report_result
+    from course_lib.dist import report_check
     from course_lib.dist import rank_device
 
     world, device = dist.get_world_size(), rank_device()
@@ -753,12 +753,12 @@ def _check_everything(small: bool) -> None:
             report_check(f"zero1 {label}: params vs torch ZeroRedundancyOptimizer", _params(zero1), _params(torch_zero), **tol)
             states = {"zero1": state_tensor_bytes(opt.state), "torch_zero": state_tensor_bytes(torch_opt.optim.state)}
             states["adam_single_process"] = state_tensor_bytes(reference_opt.state)
-    report_result({
+    return {
         "world_size": world,
         "backend": dist.get_backend(),
         "step_ms": _step_times(64 if small else 4096, device),
         "optimizer_state_bytes_per_rank": states,
-    })
+    }
 
 
 def _step_times(width: int, device: torch.device) -> dict[str, float]:
@@ -786,12 +786,9 @@ def _step_times(width: int, device: torch.device) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry for ``torchrun --nproc_per_node N -m course_lib.data_parallel [--small]``."""
-    from course_lib.collectives import parse_torchrun_args, set_nccl_env_defaults
-    from course_lib.dist import run_as_script
+    from course_lib.dist import entry_main
 
-    args = parse_torchrun_args("Check the chapter-12 data-parallel algorithms on N ranks and time them.", argv)
-    set_nccl_env_defaults()
-    run_as_script(_check_everything, args.small)
+    entry_main(_check_everything, "Check the chapter-12 data-parallel algorithms on N ranks and time them.", argv)
 
 
 if __name__ == "__main__":

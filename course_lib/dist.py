@@ -21,6 +21,7 @@ The same function runs on a multi-GPU host as a script:
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import io
 import json
@@ -53,13 +54,18 @@ __all__ = [
     "RankError",
     "assert_matches_reference",
     "assert_same_across_ranks",
+    "entry_main",
+    "max_abs_error",
     "backend_for",
     "init_from_torchrun",
     "launch",
     "pick_for",
     "rank_device",
+    "report_check",
+    "report_result",
     "run_as_script",
     "run_entry",
+    "set_nccl_env_defaults",
 ]
 
 # After SIGTERM, how long a rank may take to exit before it is killed.
@@ -537,3 +543,71 @@ def run_entry(module: str, nproc: int, *args: str, timeout: float = 600.0) -> En
     checks = [line.removeprefix("CHECK ").split(" ok max_abs_err=")[0] for line in lines
               if line.startswith("CHECK ") and " ok max_abs_err=" in line]
     return EntryRun(checks, json.loads(results[-1]), run.stdout)
+
+
+# ---- the torchrun entries of the distributed chapters -----------------------------------------
+
+# NVLink multicast (NVLS) and symmetric memory stay off on the course's GPU hosts.
+NCCL_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def set_nccl_env_defaults() -> dict[str, str]:
+    """Set ``NCCL_ENV_DEFAULTS`` where the environment does not already say otherwise (call before init); return the values in force."""
+    for key, value in NCCL_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in NCCL_ENV_DEFAULTS}
+
+
+def _tensors_of(x: Any) -> list[torch.Tensor]:
+    """The tensors in ``x``: itself, those in a list, or a module's parameters and their gradients."""
+    if isinstance(x, nn.Module):
+        return [t for p in x.parameters() for t in (p, p.grad) if t is not None]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors_of(v)]
+    return [x]
+
+
+def max_abs_error(actual: Any, expected: Any) -> float:
+    """Largest ``|actual - expected|`` over tensors, lists of tensors, or two modules (parameters and gradients)."""
+    worst = 0.0
+    for a, e in zip(_tensors_of(actual), _tensors_of(expected)):
+        if a.numel():
+            diff = a.detach().cpu().to(torch.float64) - e.detach().cpu().to(torch.float64)
+            worst = max(worst, float(diff.abs().max()))
+    return worst
+
+
+def report_check(name: str, actual: Any, expected: Any, *, rtol: float | None = None, atol: float | None = None) -> float:
+    """Assert that a parallel result equals its single-process reference on this rank; rank 0 prints ``CHECK <name> ok max_abs_err=<x>``.
+
+    Every rank must call it for every check (the error is maximised over the ranks with an
+    all-reduce). Returns that maximum.
+    """
+    assert_matches_reference(actual, expected, name=name, rtol=rtol, atol=atol)
+    worst = torch.tensor([max_abs_error(actual, expected)], dtype=torch.float64, device=rank_device())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"CHECK {name} ok max_abs_err={worst.item():.3g}", flush=True)
+    return worst.item()
+
+
+def report_result(result: dict[str, Any]) -> None:
+    """Rank 0 prints ``RESULT <json>`` on one line: what a torchrun entry measured."""
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def _run_and_report(fn: Callable[[bool], dict[str, Any]], small: bool) -> None:
+    report_result(fn(small))
+
+
+def entry_main(fn: Callable[[bool], dict[str, Any]], description: str, argv: Sequence[str] | None = None) -> None:
+    """The ``main`` of a chapter's torchrun entry: ``--small``, NVLink multicast off, ``fn(small)`` in every rank, ``RESULT`` from rank 0.
+
+    ``fn`` checks the chapter's algorithms (``report_check``) and returns what it measured.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--small", action="store_true", help="tiny sizes, for gloo ranks on a CPU")
+    small = parser.parse_args(argv).small
+    set_nccl_env_defaults()
+    run_as_script(_run_and_report, fn, small)

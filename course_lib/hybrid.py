@@ -22,11 +22,8 @@ Run the checks under torchrun (each rank on its own GPU with NCCL when there are
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +38,7 @@ from torch import nn
 
 from course_lib import models
 from course_lib import tensor_parallel as tp_lib
-from course_lib.dist import assert_matches_reference, rank_device, run_as_script
+from course_lib.dist import assert_matches_reference, rank_device
 
 __all__ = [
     "HybridCase",
@@ -279,12 +276,9 @@ def _script(small: bool) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``torchrun --nproc_per_node N -m course_lib.hybrid [--small]``: check each DP x TP layout, print RESULT json."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="tiny sizes, for CPU gloo ranks")
-    args = parser.parse_args(argv)
-    result = run_as_script(_script, args.small)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print("RESULT " + json.dumps(result))
+    from course_lib.dist import entry_main
+
+    entry_main(_script, "Check each DP x TP layout of N ranks against one process.", argv)
 
 
 if __name__ == "__main__":

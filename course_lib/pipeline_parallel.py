@@ -24,9 +24,7 @@ Run every schedule on ``N`` ranks and check it against one process:
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -805,14 +803,9 @@ def _main_in_rank(small: bool) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``torchrun --nproc_per_node N -m course_lib.pipeline_parallel [--small]``: check naive, GPipe, 1F1B; print RESULT json."""
-    from course_lib.dist import run_as_script
+    from course_lib.dist import entry_main
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="tiny sizes (CPU, gloo)")
-    args = parser.parse_args(argv)
-    result = run_as_script(_main_in_rank, args.small)
-    if int(__import__("os").environ.get("RANK", "0")) == 0:
-        print("RESULT " + json.dumps(result), flush=True)
+    entry_main(_main_in_rank, "Check the naive split, GPipe and 1F1B on N pipeline stages and measure their bubbles.", argv)
 
 
 if __name__ == "__main__":

@@ -645,7 +645,7 @@ def check_sharded(name: str, module: nn.Module, shard_fn: Callable[[nn.Module], 
     Both run forward and backward with the same random upstream gradient. The expected shard
     gradients are ``shard_fn`` applied to a copy of ``module`` that holds its gradients.
     """
-    from course_lib.collectives import report_check
+    from course_lib.dist import report_check
 
     reference = copy.deepcopy(module)
     shard = shard_fn(reference)
@@ -666,7 +666,6 @@ def check_sharded(name: str, module: nn.Module, shard_fn: Callable[[nn.Module], 
 
 def _check_everything(small: bool) -> None:
     """In a rank: column/row-parallel linear, MLP, attention and block against the single-device modules; then bytes and times."""
-    from course_lib.collectives import report_result
     from course_lib.dist import rank_device
 
     rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
@@ -682,7 +681,7 @@ def _check_everything(small: bool) -> None:
     check_sharded("ParallelMLP", block.mlp, lambda m: ParallelMLP.from_module(m, rank, world), x)
     check_sharded("ParallelAttention", block.attn, lambda m: ParallelAttention.from_module(m, rank, world), x)
     check_sharded("ParallelBlock", block, lambda m: ParallelBlock.from_module(m, rank, world), x)
-    report_result({"world_size": world, "backend": dist.get_backend(), **_block_measurements(block.float(), x.float())})
+    return {"world_size": world, "backend": dist.get_backend(), **_block_measurements(block.float(), x.float())}
 
 
 def _block_measurements(block: models.Block, x: torch.Tensor) -> dict[str, Any]:
@@ -715,12 +714,9 @@ def _block_measurements(block: models.Block, x: torch.Tensor) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry for ``torchrun --nproc_per_node N -m course_lib.tensor_parallel [--small]`` (N must divide the head count)."""
-    from course_lib.collectives import parse_torchrun_args, set_nccl_env_defaults
-    from course_lib.dist import run_as_script
+    from course_lib.dist import entry_main
 
-    args = parse_torchrun_args("Check the chapter-13 tensor-parallel layers on N ranks.", argv)
-    set_nccl_env_defaults()
-    run_as_script(_check_everything, args.small)
+    entry_main(_check_everything, "Check the chapter-13 tensor-parallel layers on N ranks.", argv)
 
 
 if __name__ == "__main__":
