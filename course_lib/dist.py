@@ -74,6 +74,10 @@ _TERMINATE_GRACE_S = 2.0
 _FAILURE_GRACE_S = 0.5
 
 
+class _MeshSetupFailed(Exception):
+    """gloo's connection set-up between the ranks failed before any user code ran; the launch may be retried."""
+
+
 class RankError(RuntimeError):
     """One or more ranks failed; ``ranks`` lists them, the first to fail first, and the message carries its traceback."""
 
@@ -276,7 +280,12 @@ def launch(
         raise ValueError(f"launch: world_size must be at least 1, got {world_size}")
     backend = backend or backend_for(world_size)
     ctx, payload = _context_and_payload(fn, args, kwargs)
-    return _run_ranks(ctx, payload, world_size, backend, timeout)
+    try:
+        return _run_ranks(ctx, payload, world_size, backend, timeout)
+    except _MeshSetupFailed:
+        # Seen about once in a few thousand launches on a loaded 2-core machine: gloo's full-mesh
+        # set-up reports "Connection closed by peer". Nothing of fn has run yet, so start afresh once.
+        return _run_ranks(ctx, payload, world_size, backend, timeout)
 
 
 def _listening_socket() -> socket.socket:
@@ -376,7 +385,11 @@ def _drain(rank: int, reader: mpc.Connection) -> tuple | None:
 
 
 def _raise_failures(failures: dict[int, tuple[str, str, str]], still_running: list[int]) -> None:
-    """Raise ``RankError`` for the first failing rank, listing the others."""
+    """Raise ``RankError`` for the first failing rank, listing the others (``_MeshSetupFailed`` when gloo's set-up broke)."""
+    if all(phase == "init" for phase, _, _ in failures.values()) and any(
+        "connectFullMesh" in summary for _, summary, _ in failures.values()
+    ):
+        raise _MeshSetupFailed()
     first = next(iter(failures))
     _, summary, tb = failures[first]
     lines = [f"rank {first} {summary}"]

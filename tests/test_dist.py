@@ -189,6 +189,31 @@ def test_pick_for_and_backend_for_without_enough_gpus(monkeypatch, capsys) -> No
     assert capsys.readouterr().out.count("use gloo on the CPU") == 1
 
 
+def test_a_failed_gloo_mesh_setup_is_retried_once(no_leftovers, monkeypatch, tmp_path) -> None:
+    # gloo's set-up occasionally fails with "Connection closed by peer" before any user code runs.
+    real_init = dist.init_process_group
+    marker = tmp_path / "failed_once"
+
+    def flaky_init(*args, **kwargs):
+        if kwargs["rank"] == 1 and not marker.exists():
+            marker.touch()
+            raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer")
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", flaky_init)  # forked ranks inherit the patch
+    assert cdist.launch(lambda: dist.get_rank() + 10, 2, timeout=60) == [10, 11]
+    assert marker.exists()
+
+
+def test_an_error_in_init_other_than_the_mesh_is_not_retried(no_leftovers, monkeypatch) -> None:
+    def broken_init(*args, **kwargs):
+        raise RuntimeError("no such backend")
+
+    monkeypatch.setattr(dist, "init_process_group", broken_init)
+    with pytest.raises(cdist.RankError, match="no such backend"):
+        cdist.launch(lambda: 0, 2, timeout=60)
+
+
 def test_concurrent_launches_keep_to_their_own_groups() -> None:
     # Each launch serves its own rendezvous store; two at once must not join each other's ranks.
     results: dict[int, list] = {}
