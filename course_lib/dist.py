@@ -198,9 +198,9 @@ def _worker(
     )
     phase = "init"
     try:
-        # Under spawn the function arrives as bytes (serialised by value); under fork it is the object itself.
+        # From the forkserver the function arrives as bytes (serialised by value); under fork it is the object itself.
         fn, args, kwargs = pickle.loads(payload) if isinstance(payload, bytes) else payload
-        # A spawned rank starts with Python's default warning filters; the notebook's are the course's.
+        # A rank from the forkserver starts with Python's default warning filters; the notebook's are the course's.
         from course_lib.env import quiet_warnings
         quiet_warnings()
         if backend == "nccl":
@@ -237,22 +237,27 @@ def _worker(
 
 
 def _context_and_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
-    """Fork on a machine without a GPU (keeps notebook-defined functions working); else spawn with ``fn`` pickled by value."""
+    """Fork on a machine without a GPU (keeps notebook-defined functions working); else forkserver with ``fn`` pickled by value."""
     if not torch.cuda.is_available():
         return mp.get_context("fork"), (fn, args, kwargs)
-    # Where there is a GPU, a forked rank breaks as soon as the parent has initialised CUDA
-    # ("CUDA error: initialization error") or run a backward pass (autograd then starts a thread
-    # per GPU, and a forked child's autograd refuses to run). So spawn; spawn imports the target
-    # by name, which fails for functions defined in a notebook cell, hence cloudpickle.
+    # Where there is a GPU, a rank forked from the caller breaks as soon as the caller has
+    # initialised CUDA ("CUDA error: initialization error") or run a backward pass (autograd then
+    # starts a thread per GPU, and a forked child's autograd refuses to run). So ranks fork from a
+    # forkserver: a clean process, started on the first launch, that has imported torch and this
+    # module but never touched CUDA or autograd. Each rank then starts in milliseconds instead of
+    # the seconds a spawned interpreter takes to import torch. The function reaches it by pickle,
+    # which fails for functions defined in a notebook cell, hence cloudpickle (by value).
     try:
         import cloudpickle
     except ImportError:
         raise RuntimeError(
-            "launch: on a machine with a GPU ranks are spawned, and spawning needs the function "
+            "launch: on a machine with a GPU ranks start from a forkserver, which needs the function "
             "pickled by value, which needs cloudpickle (pip install cloudpickle). Otherwise define "
             "the function in a module (a .py file)."
         ) from None
-    return mp.get_context("spawn"), cloudpickle.dumps((fn, args, kwargs))
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["course_lib.env", "course_lib.dist"])
+    return ctx, cloudpickle.dumps((fn, args, kwargs))
 
 
 def launch(
@@ -268,8 +273,9 @@ def launch(
     ``backend`` None picks with ``backend_for``. Under NCCL rank r uses ``cuda:r``.
     On a machine without a GPU ranks are forked, so functions defined in a notebook cell,
     lambdas and closures work. Where there is a GPU, forking is unsafe once the parent has
-    used CUDA or autograd: ranks are spawned instead and ``fn`` is pickled by value with
-    cloudpickle (without it, a RuntimeError asks to define ``fn`` in a module). Tensors in
+    used CUDA or autograd: ranks fork from multiprocessing's forkserver instead (it starts with
+    the first launch and keeps the environment of that moment) and ``fn`` is pickled by value
+    with cloudpickle (without it, a RuntimeError asks to define ``fn`` in a module). Tensors in
     the results come back on the CPU.
 
     Raises ``RankError`` (naming the rank(s), with the remote traceback) as soon as a rank

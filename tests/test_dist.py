@@ -23,8 +23,18 @@ from course_lib import dist as cdist
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _is_helper(proc: psutil.Process) -> bool:
+    """multiprocessing's forkserver and resource tracker: they outlive a launch by design (GPU hosts only)."""
+    try:
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return "multiprocessing.forkserver" in cmd or "multiprocessing.resource_tracker" in cmd
+
+
 def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """Our descendants, ranks included, without multiprocessing's long-lived helper processes."""
+    return {p.pid for p in psutil.Process().children(recursive=True) if not _is_helper(p)}
 
 
 @pytest.fixture
@@ -161,21 +171,25 @@ def test_backend_for_is_gloo_without_gpus() -> None:
     assert cdist.backend_for(1) == "gloo" and cdist.backend_for(4) == "gloo"
 
 
-def test_spawn_without_cloudpickle_asks_for_a_module(monkeypatch) -> None:
+def test_forkserver_without_cloudpickle_asks_for_a_module(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "cloudpickle", None)  # makes `import cloudpickle` fail
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="define the function in a module"):
         cdist.launch(lambda: 0, 2)
 
 
-def test_spawn_path_sends_a_closure_by_value(monkeypatch) -> None:
-    # Where there is a GPU, launch spawns fresh interpreters and pickles fn with cloudpickle.
+def test_forkserver_path_sends_a_closure_by_value(monkeypatch) -> None:
+    # Where there is a GPU, ranks fork from a clean forkserver and fn travels pickled by value.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    before = _children()
     factor = 3
-    assert cdist.launch(lambda: dist.get_rank() * factor, 2, timeout=120) == [0, 3]
-    # multiprocessing's resource tracker outlives a spawn by design; no rank may.
-    ranks = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
-    assert not ranks, f"spawned ranks left behind: {ranks}"
+    assert cdist.launch(lambda: dist.get_rank() * factor, 2, backend="gloo", timeout=120) == [0, 3]
+    # A second launch reuses the server; output, failures and results work as under fork.
+    with pytest.raises(cdist.RankError, match="rank 1 raised ValueError"):
+        cdist.launch(lambda: (_ for _ in ()).throw(ValueError("boom")) if dist.get_rank() == 1 else 0, 2, backend="gloo", timeout=120)
+    # The forkserver outlives a launch by design; no rank may.
+    left = _children() - before
+    assert not left, f"ranks left behind: {sorted(left)}"
 
 
 def test_pick_for_and_backend_for_without_enough_gpus(monkeypatch, capsys) -> None:
