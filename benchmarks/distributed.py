@@ -212,7 +212,7 @@ def ddp_section(small: bool) -> dict[str, Any]:
 # ---- pipeline (another module's torchrun entry) ---------------------------------------------------
 
 
-def pipeline_section(world: int, small: bool, timeout: float = 600.0) -> dict[str, Any]:
+def pipeline_section(world: int, small: bool, timeout: float = 300.0) -> dict[str, Any]:
     """Run ``course_lib.pipeline_parallel``'s torchrun entry on ``world`` ranks and keep its CHECK lines and RESULT."""
     args = ["--small"] if small else []
     shown = f"torchrun --standalone --nproc_per_node {world} -m course_lib.pipeline_parallel {' '.join(args)}".rstrip()

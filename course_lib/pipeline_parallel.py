@@ -525,6 +525,38 @@ def gpipe_step(stage: nn.Module, batch: Sequence[torch.Tensor], m: int, loss_fn:
     return total
 
 
+_connected: list[Any] = []  # the NCCL process groups whose neighbours are connected (connect_neighbours)
+
+
+def connect_neighbours() -> None:
+    """Send one number to each neighbouring stage and receive one from it, in one batch on every rank.
+
+    NCCL connects two ranks for point-to-point on their first send/recv, and then the two sides'
+    first batches must mirror each other. A pipeline's first batches do not (the first stage sends
+    and receives in one batch where the second only receives), which NCCL reports as "Message
+    truncated" and then hangs. ``exchange`` calls this once per process group under NCCL first.
+    """
+    from course_lib.dist import rank_device
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = rank_device()
+    ops = []
+    for peer in (rank - 1, rank + 1):
+        if 0 <= peer < world:
+            ops += [dist.P2POp(dist.isend, torch.zeros(1, device=dev), peer), dist.P2POp(dist.irecv, torch.empty(1, device=dev), peer)]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _connect_once() -> None:
+    """Under NCCL, ``connect_neighbours`` the first time this process's default group is used for the pipeline."""
+    group = dist.group.WORLD
+    if dist.get_backend() == "nccl" and not any(g is group for g in _connected):
+        _connected.append(group)
+        connect_neighbours()
+
+
 def exchange(send: tuple[torch.Tensor, int] | None = None, recv: tuple[torch.Tensor, int] | None = None) -> list[Any]:
     """Post one send and/or one receive together (``dist.batch_isend_irecv``); wait for the receive only.
 
@@ -539,6 +571,7 @@ def exchange(send: tuple[torch.Tensor, int] | None = None, recv: tuple[torch.Ten
         ops.append(dist.P2POp(dist.irecv, recv[0], recv[1]))
     if not ops:
         return []
+    _connect_once()
     works = dist.batch_isend_irecv(ops)
     if recv is not None:
         works[-1].wait()
@@ -690,6 +723,7 @@ def torch_pipeline_step(
     dev = rank_device()
     bounds = list(bounds) if bounds is not None else balanced_partition([1.0] * len(model), world)
     layers = stage_layers(model, bounds, rank).to(dev)
+    _connect_once()  # PipelineStage's own first sends and receives do not mirror each other either
     stage = PipelineStage(layers, rank, world, dev)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     # The schedule divides each micro-batch's gradients by m (scale_grads), like our loss / m.
@@ -746,7 +780,7 @@ def _check_against_reference(
     result: dict[str, Any], model: nn.Sequential, batch: Sequence[torch.Tensor], name: str, rtol: float = 1e-4, atol: float = 1e-6
 ) -> float:
     """Compare this rank's loss and gradients with the single-process step; return the max abs error over all ranks."""
-    from course_lib.dist import assert_matches_reference
+    from course_lib.dist import assert_matches_reference, rank_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ref_loss, ref_grads = reference_step(model, batch)
@@ -758,7 +792,7 @@ def _check_against_reference(
     if rank == world - 1:
         assert_matches_reference(result["loss"].cpu(), ref_loss.cpu(), name=f"{name} loss", rtol=rtol, atol=atol)
         err = max(err, float((result["loss"].cpu() - ref_loss).abs()))
-    t = torch.tensor([err], dtype=torch.float64)
+    t = torch.tensor([err], dtype=torch.float64, device=rank_device())  # NCCL reduces GPU tensors only
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 

@@ -143,3 +143,14 @@ def test_torchrun_entry():
     for name in ("naive", "gpipe", "1f1b"):
         assert len(result[name]["bubble_measured"]) == 2 and len(result[name]["peak_activation_bytes"]) == 2
     assert result["1f1b"]["peak_activation_bytes"][0] < result["gpipe"]["peak_activation_bytes"][0]
+
+
+def _neighbours_in_rank() -> bool:
+    pp.connect_neighbours()  # one mirrored batch with each neighbour; a mismatch would hang until the timeout
+    pp.connect_neighbours()
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_connect_neighbours_completes(world):
+    assert launch(_neighbours_in_rank, world, timeout=60) == [True] * world
