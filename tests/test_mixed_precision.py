@@ -126,3 +126,14 @@ def test_mixed_precision_bytes_matches_regimes():
     assert mp.mixed_precision_bytes(10, "sgd").total == 2 * 10 + 2 * 10 + 4 * 10
     with pytest.raises(ValueError):
         mp.mixed_precision_bytes(10, "lion")
+
+
+def test_sample_values_keeps_small_inputs_and_samples_large_ones() -> None:
+    g = [torch.arange(6.0).reshape(2, 3), None, torch.tensor([7.0])]
+    assert torch.equal(mp.sample_values(g), torch.tensor([0.0, 1, 2, 3, 4, 5, 7], dtype=torch.float64))
+    big = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    a, b = mp.sample_values(big, limit=500, seed=3), mp.sample_values(big, limit=500, seed=3)
+    assert a.shape == (500,) and torch.equal(a, b), "same seed, same sample"
+    assert torch.isin(a, big.double()).all(), "a sample holds values of the input only"
+    # The fraction of a sample estimates the whole's: here within 5 points of 50% negative.
+    assert abs(float((mp.sample_values(big, limit=2000) < 0).double().mean()) - 0.5) < 0.05
