@@ -64,11 +64,13 @@ test: $(STAMP)
 test-browser: $(STAMP) browser-deps
 	$(PY) -m pytest -m browser tests/test_browser.py
 
-# GPU tier (on a CUDA machine): kernels compiled, NCCL, every solution notebook in GPU mode, grading
-# end to end. GPU_JOBS workers share the GPU (two keep chapter 07's large-memory cells clear of the rest).
-GPU_JOBS ?= 2
+# GPU tier (on a CUDA machine): the tests marked gpu (kernels compiled, CUDA timing, grading every
+# solution on the GPU), and every solution notebook under nbval in GPU mode. The CPU-only tests are
+# `make test`'s. GPU_JOBS pytest workers and GPU_GRADE_JOBS grading kernels share the GPU.
+GPU_JOBS ?= 4
+GPU_GRADE_JOBS ?= 2
 test-gpu: $(STAMP)
-	$(PY) -m pytest -n $(GPU_JOBS) --dist loadscope --nbval-lax -m "not browser" tests solutions
+	GPU_GRADE_JOBS=$(GPU_GRADE_JOBS) $(PY) -m pytest -n $(GPU_JOBS) --dist loadscope --nbval-lax -m "gpu or notebook" -rf tests solutions
 
 # Every solution notebook executed once, outputs kept, with its run time (docs/gpu-run.md's table).
 notebooks-run: $(STAMP)

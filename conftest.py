@@ -31,10 +31,12 @@ def _pin_expected_outputs(item: pytest.Item, cache: dict[str, dict]) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give pinned notebook cells their expected outputs; skip `gpu` tests without a CUDA device."""
+    """Pin notebook cells' expected outputs and mark them `notebook`; skip `gpu` tests without a CUDA device."""
     cache: dict[str, dict] = {}
     for item in items:
         _pin_expected_outputs(item, cache)
+        if str(item.fspath).endswith(".ipynb"):
+            item.add_marker(pytest.mark.notebook)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (GPU tier)")

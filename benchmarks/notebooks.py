@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cell-timeout", type=int, default=900)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = [run_notebook(p, args.out, args.cell_timeout) for p in tqdm(chapters(args.chapters), desc="notebooks")]
+    rows = []
+    for path in tqdm(chapters(args.chapters), desc="notebooks"):
+        rows.append(run_notebook(path, args.out, args.cell_timeout))
+        tqdm.write(f"{rows[-1]['chapter']}: {rows[-1]['seconds']:.0f} s, errors: {'; '.join(rows[-1]['errors']) or 'none'}")
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device_name(), "notebooks": rows,
               "total_seconds": round(sum(r["seconds"] for r in rows), 1)}
     (args.out / "times.json").write_text(json.dumps(report, indent=2) + "\n")

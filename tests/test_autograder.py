@@ -27,6 +27,7 @@ import copy
 import csv
 import hashlib
 import html
+import os
 import re
 import shutil
 import subprocess
@@ -222,6 +223,28 @@ def test_solutions_score_full_marks(graded: Graded, chapter: str) -> None:
     assert float(row["score"]) == float(row["max_score"]) == sum(points(chapter).values()) > 0, row
     for grade_id, max_points in points(chapter).items():
         assert graded.detail["solution", chapter, grade_id] == (max_points, max_points), grade_id
+
+
+@pytest.mark.gpu
+def test_solutions_score_full_marks_on_the_gpu(tmp_path: Path) -> None:
+    """The GPU tier's grading run: every solution executed in GPU mode (GPU sizes, compiled Triton) scores full marks.
+
+    GPU_GRADE_JOBS notebooks at a time (default 2); cells may take up to 10 minutes there.
+    """
+    submissions, out = tmp_path / "submissions", tmp_path / "graded"
+    for chapter in CHAPTERS:
+        (submissions / "solution" / chapter).mkdir(parents=True)
+        shutil.copy(COURSE.source_notebook(chapter), submissions / "solution" / chapter / f"{chapter}.ipynb")
+    jobs = os.environ.get("GPU_GRADE_JOBS", "2")
+    process = run_cli("grade", str(submissions), "--out", str(out), "--jobs", jobs, "--cell-timeout", "600", timeout=3600)
+    assert (out / "grades.csv").is_file(), f"grade wrote no grades.csv:\n{process.stdout}\n{process.stderr}"
+    with open(out / "grades.csv", newline="", encoding="utf-8") as f:
+        rows = {r["chapter"]: r for r in csv.DictReader(f)}
+    assert sorted(rows) == sorted(CHAPTERS), f"graded {sorted(rows)}, expected every chapter"
+    short = [f"{c}: {r['score']}/{r['max_score']} {r['status']} {r['message']}" for c, r in rows.items()
+             if r["status"] != "ok" or float(r["score"]) != float(r["max_score"]) or float(r["max_score"]) == 0]
+    assert not short, "solutions below full marks on the GPU:\n" + "\n".join(short)
+    assert process.returncode == 0, process.stdout + process.stderr
 
 
 @pytest.mark.slow
