@@ -248,14 +248,16 @@ class BucketedDDP(nn.Module):
     """Data parallelism that overlaps gradient all-reduces with the backward pass, like torch's DDP.
 
     At construction rank 0's parameters are broadcast and the parameters are split into
-    buckets of about ``bucket_cap_mb`` MiB in reverse order (``assign_buckets``). A
-    post-accumulate-grad hook on each parameter counts the gradients that are ready; when a
-    bucket is complete it is flattened, divided by the world size and all-reduced with
-    ``async_op=True`` while backward goes on. Buckets are launched in bucket order, the same on
-    every rank. ``finish_gradient_sync()`` waits for them and copies the averages back into the
-    ``.grad`` fields: call it after ``backward()`` and before ``optimizer.step()``. Inside
-    ``no_sync()`` the hooks do nothing and gradients just accumulate locally.
-    With a ``timeline``, the backward hooks and all-reduces are recorded in it.
+    buckets of about ``bucket_cap_mb`` MiB in reverse order (``assign_buckets``). Each bucket is
+    one preallocated flat tensor (``bucket_grads``) and each parameter's ``.grad`` becomes a view
+    of its slice: a post-accumulate-grad hook moves a freshly allocated gradient into its slice
+    (one copy; none when ``.grad`` already is the view, e.g. after ``zero_grad(set_to_none=False)``)
+    and counts it ready. When a bucket is complete it is divided by the world size and
+    all-reduced in place with ``async_op=True`` while backward goes on. Buckets are launched in
+    bucket order, the same on every rank. ``finish_gradient_sync()`` waits for them: the
+    averages are then already in ``.grad``. Call it after ``backward()`` and before
+    ``optimizer.step()``. Inside ``no_sync()`` the hooks do not communicate and gradients just
+    accumulate locally. With a ``timeline``, the backward hooks and all-reduces are recorded in it.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, *, timeline: Timeline | None = None) -> None:
@@ -267,6 +269,17 @@ class BucketedDDP(nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = assign_buckets(self._params, bucket_cap_mb * 2**20)
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self.bucket_grads: list[torch.Tensor] = []
+        self._slots: dict[int, torch.Tensor] = {}
+        for idx in self.buckets:
+            first = self._params[idx[0]]
+            flat = torch.zeros(sum(self._params[i].numel() for i in idx), dtype=first.dtype, device=first.device)
+            offset = 0
+            for i in idx:
+                n = self._params[i].numel()
+                self._slots[i] = flat[offset:offset + n].view_as(self._params[i])
+                offset += n
+            self.bucket_grads.append(flat)
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
             for i, p in enumerate(self._params)
@@ -277,7 +290,7 @@ class BucketedDDP(nn.Module):
     def _reset(self) -> None:
         self._ready = [0] * len(self.buckets)
         self._next = 0
-        self._inflight: list[tuple[int, torch.Tensor, Any]] = []
+        self._inflight: list[tuple[int, Any]] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module."""
@@ -292,7 +305,20 @@ class BucketedDDP(nn.Module):
         finally:
             self._sync = before
 
+    @torch.no_grad()
+    def _into_bucket(self, i: int) -> None:
+        """Make parameter ``i``'s ``.grad`` the view of its bucket slice (zeros if it has no gradient)."""
+        p, slot = self._params[i], self._slots[i]
+        if p.grad is None:
+            slot.zero_()
+        elif p.grad.data_ptr() != slot.data_ptr():
+            slot.copy_(p.grad)
+        else:
+            return
+        p.grad = slot
+
     def _grad_ready(self, i: int, p: torch.Tensor) -> None:
+        self._into_bucket(i)
         if not self._sync:
             return
         if self.timeline is not None:
@@ -303,22 +329,20 @@ class BucketedDDP(nn.Module):
             self._launch(self._next)
             self._next += 1
 
+    @torch.no_grad()
     def _launch(self, b: int) -> None:
-        grads = []
         for i in self.buckets[b]:
-            p = self._params[i]
-            grads.append(torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1))
-        flat = torch.cat(grads).div_(self.world_size)
+            self._into_bucket(i)  # only does something for a parameter that got no gradient
+        flat = self.bucket_grads[b].div_(self.world_size)
         start = self.timeline.now() if self.timeline is not None else 0.0
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
         if self.timeline is not None:
             timeline = self.timeline
             work.get_future().then(lambda _: timeline.add("all-reduce", f"bucket {b}", start, timeline.now()))
-        self._inflight.append((b, flat, work))
+        self._inflight.append((b, work))
 
-    @torch.no_grad()
     def finish_gradient_sync(self) -> None:
-        """Wait for every bucket's all-reduce and write the averaged gradients into ``.grad``.
+        """Wait for every bucket's all-reduce; afterwards each ``.grad`` holds the average over the ranks.
 
         Buckets whose parameters got no gradient this step are reduced here, with zeros for the
         missing gradients. Does nothing if no synchronised backward ran since the last call.
@@ -328,16 +352,8 @@ class BucketedDDP(nn.Module):
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
-        for b, flat, work in self._inflight:
+        for _, work in self._inflight:
             work.wait()
-            offset = 0
-            for i in self.buckets[b]:
-                p = self._params[i]
-                n = p.numel()
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
         self._reset()
 
 

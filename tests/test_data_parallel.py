@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 
 import numpy as np
 import pytest
@@ -106,6 +107,54 @@ def test_bucketed_ddp_equals_torch_ddp_and_overlaps() -> None:
                 assert_close(a, b, rtol=1e-10, atol=1e-12)
                 assert_close(a, c, rtol=1e-10, atol=1e-12)
             assert got["async_during_backward"] >= 2  # a tiny bucket cap: several buckets, launched during backward
+
+
+class _WithUnused(torch.nn.Module):
+    """An MLP and a parameter that no forward pass uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP([6, 9, 3], seed=3).double()
+        self.unused = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def _train_in_place_grads(world: int) -> tuple[list[torch.Tensor], bool, list[torch.Tensor]]:
+    """Three SGD steps of 2 micro-batches with ``zero_grad(set_to_none=False)``; in a rank or (world 1) alone."""
+    model = _WithUnused()
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    net = dp.BucketedDDP(model, bucket_cap_mb=1e-4) if world > 1 else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randn(2, 4, 6, generator=g, dtype=torch.float64), torch.randn(2, 4, 3, generator=g, dtype=torch.float64))
+            for _ in range(3)]
+    views = True
+    for x, y in data:
+        opt.zero_grad(set_to_none=False)
+        for k in range(2):
+            xs, ys = dp.shard_batch((x[k], y[k]), rank, world)
+            with net.no_sync() if world > 1 and k == 0 else contextlib.nullcontext():
+                (F.mse_loss(net(xs), ys) / 2).backward()
+        if world > 1:
+            net.finish_gradient_sync()
+            buckets = {t.untyped_storage().data_ptr() for t in net.bucket_grads}
+            views &= all(p.grad.untyped_storage().data_ptr() in buckets for p in model.parameters())
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], views, [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def test_bucketed_ddp_grads_live_in_the_buckets_and_accumulate_in_place() -> None:
+    torch.set_num_threads(1)
+    want, _, want_grads = _train_in_place_grads(1)
+    for got, views, grads in launch(_train_in_place_grads, 2, 2):
+        assert views, "after finish_gradient_sync every .grad should be a view into a bucket tensor"
+        for a, b in zip(got, want):
+            assert_close(a, b, rtol=1e-10, atol=1e-12)
+        assert_close(grads[0], torch.zeros(4, dtype=torch.float64), name="the unused parameter's gradient")  # listed first
+        for a, b in zip(grads[1:], want_grads[1:]):
+            assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_zero1_equals_adam_with_sharded_state() -> None:

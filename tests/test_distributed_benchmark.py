@@ -28,8 +28,11 @@ def test_small_run_writes_every_section(tmp_path: Path) -> None:
     assert [r["shape"][0] * 4 for r in rows] == sections["all_reduce"]["sizes_bytes"]
     assert all(r["ours"] > 0 and r["reference"] > 0 and r["ratio"] > 0 for r in rows)
     ddp = sections["ddp"]
-    assert set(ddp["ms"]) == {"compute_only", "communication_only", "naive", "bucketed", "torch_ddp"}
-    assert ddp["rows"][0]["targets"][0]["kind"] == "time_factor" and set(ddp["overlap"]) == {"bucketed", "torch_ddp"}
+    modes = {"compute_only", "communication_only", "naive", "bucketed", "torch_ddp", "torch_ddp_view"}
+    assert set(ddp["ms"]) == set(ddp["ms_per_round"]) == modes
+    assert all(len(v) == ddp["rounds"] and min(v) <= ddp["ms"][m] <= max(v) for m, v in ddp["ms_per_round"].items())
+    assert ddp["rows"][0]["targets"][0]["kind"] == "time_factor"
+    assert set(ddp["overlap"]) == {"bucketed", "torch_ddp", "torch_ddp_view"}
     pipeline = sections["pipeline"]
     assert "result" in pipeline and pipeline["checks"] == ["CHECK naive ok", "CHECK gpipe ok", "CHECK 1f1b ok"], pipeline
     report = (tmp_path / "multi_gpu.md").read_text()
