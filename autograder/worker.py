@@ -56,7 +56,9 @@ def judged_config(scratch: Path, source_dir: Path, chapter: str, student: str, *
     env = {**kernel_environment(dict(os.environ)), CONFIG_VARIABLE: str(ipc_dir / "judge.json")}
     notebook_dir = scratch / "autograded" / student / chapter
     KernelSandbox(notebook_dir, ipc_dir, env, sandboxed).write_kernelspec(jupyter_dir)
-    os.environ.update(JUPYTER_PATH=str(jupyter_dir), JUPYTER_RUNTIME_DIR=str(ipc_dir))
+    # The sandbox kernelspec comes first; folders already on JUPYTER_PATH (nbconvert's templates, for one) stay.
+    jupyter_path = os.pathsep.join(filter(None, [str(jupyter_dir), os.environ.get("JUPYTER_PATH")]))
+    os.environ.update(JUPYTER_PATH=jupyter_path, JUPYTER_RUNTIME_DIR=str(ipc_dir))
     c = Config()
     steps = Autograde.class_traits()["autograde_preprocessors"].default()
     c.Autograde.autograde_preprocessors = [JudgedExecute if step is Execute else step for step in steps]
