@@ -535,7 +535,9 @@ def check_collective(
     (``expected_result``) and with PyTorch's own collective run on the same ranks where one exists.
     With ``point_to_point_only`` the torch collectives are unavailable to ``fn`` while it runs.
     Raises ``NotDoneYet`` for an untouched exercise and ``AssertionError`` saying which rank,
-    case and element went wrong.
+    case and element went wrong. The ranks use gloo on the CPU even where there are GPUs: under
+    NCCL, an ``irecv`` and an ``isend`` to the same peer posted one after the other queue on one
+    stream, so the "post both, then wait" schedule this chapter teaches would hang there.
     """
     from course_lib import dist as cdist
     from course_lib.testing import NotDoneYet, assert_close
@@ -551,7 +553,8 @@ def check_collective(
         full.append((seed, length, dtype, root, width))
     name = getattr(fn, "__name__", repr(fn))
     try:
-        per_rank = cdist.launch(_rank_cases, world_size, fn, collective, full, point_to_point_only, timeout=timeout)
+        per_rank = cdist.launch(_rank_cases, world_size, fn, collective, full, point_to_point_only,
+                                backend="gloo", timeout=timeout)
     except TimeoutError:
         raise AssertionError(
             f"{name} on {world_size} ranks did not finish within {timeout:g} s: most likely a deadlock "

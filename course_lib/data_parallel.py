@@ -305,16 +305,16 @@ class BucketedDDP(nn.Module):
         finally:
             self._sync = before
 
-    @torch.no_grad()
     def _into_bucket(self, i: int) -> None:
         """Make parameter ``i``'s ``.grad`` the view of its bucket slice (zeros if it has no gradient)."""
         p, slot = self._params[i], self._slots[i]
-        if p.grad is None:
-            slot.zero_()
-        elif p.grad.data_ptr() != slot.data_ptr():
-            slot.copy_(p.grad)
-        else:
+        grad = p.grad
+        if grad is slot:  # accumulated in place: nothing to do
             return
+        if grad is None:
+            slot.zero_()
+        else:
+            slot.copy_(grad)
         p.grad = slot
 
     def _grad_ready(self, i: int, p: torch.Tensor) -> None:
@@ -324,10 +324,12 @@ class BucketedDDP(nn.Module):
         if self.timeline is not None:
             now = self.timeline.now()
             self.timeline.add("grad ready", str(i), now, now)
-        self._ready[self._bucket_of[i]] += 1
-        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
-            self._launch(self._next)
-            self._next += 1
+        b = self._bucket_of[i]
+        self._ready[b] += 1
+        if b == self._next:
+            while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
+                self._launch(self._next)
+                self._next += 1
 
     @torch.no_grad()
     def _launch(self, b: int) -> None:
@@ -669,11 +671,12 @@ def launch_exercise(
 
     Returns, per rank, the list of the worker's results. A ``student`` function or class that
     still raises NotImplementedError fails with a clear "not implemented yet" (``NotDoneYet``).
+    The ranks use gloo on the CPU, also where there are GPUs: the cases are small CPU models.
     """
     import torch._dynamo  # noqa: F401 - torch.optim imports it on first use (seconds): once here, not in every rank
     from course_lib.dist import launch
 
-    results = launch(_run_cases, world_size, worker, student, list(cases), kwargs, timeout=timeout)
+    results = launch(_run_cases, world_size, worker, student, list(cases), kwargs, backend="gloo", timeout=timeout)
     if any(isinstance(r, str) and r == _NOT_DONE for r in results):
         name = getattr(student, "__name__", repr(student))
         raise NotDoneYet(f"{name} is not implemented yet: replace `raise NotImplementedError()` with your code")
