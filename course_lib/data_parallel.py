@@ -118,10 +118,11 @@ def sampler_indices(
 
 
 @torch.no_grad()
-def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
-    """Copy rank ``src``'s parameters and buffers to every rank (what DDP does when it wraps a model)."""
+def broadcast_parameters(module: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Copy the parameters and buffers of ``group``'s rank ``src`` to its other ranks (what DDP does when it wraps a model)."""
+    root = src if group is None else dist.get_global_rank(group, src)
     for t in list(module.parameters()) + list(module.buffers()):
-        dist.broadcast(t.data, src)
+        dist.broadcast(t.data, root, group=group)
 
 
 @torch.no_grad()
@@ -252,20 +253,25 @@ class BucketedDDP(nn.Module):
     one preallocated flat tensor (``bucket_grads``) and each parameter's ``.grad`` becomes a view
     of its slice: a post-accumulate-grad hook moves a freshly allocated gradient into its slice
     (one copy; none when ``.grad`` already is the view, e.g. after ``zero_grad(set_to_none=False)``)
-    and counts it ready. When a bucket is complete it is divided by the world size and
-    all-reduced in place with ``async_op=True`` while backward goes on. Buckets are launched in
-    bucket order, the same on every rank. ``finish_gradient_sync()`` waits for them: the
-    averages are then already in ``.grad``. Call it after ``backward()`` and before
-    ``optimizer.step()``. Inside ``no_sync()`` the hooks do not communicate and gradients just
-    accumulate locally. With a ``timeline``, the backward hooks and all-reduces are recorded in it.
+    and counts it ready. When a bucket is complete it is averaged in place by an all-reduce with
+    ``async_op=True`` while backward goes on (NCCL's ``AVG`` reduction; gloo has none, so there
+    the bucket is divided by the world size and summed). Buckets are launched in bucket order,
+    the same on every rank. ``finish_gradient_sync()`` waits for them: the averages are then
+    already in ``.grad``. Call it after ``backward()`` and before ``optimizer.step()``. Inside
+    ``no_sync()`` the hooks do not communicate and gradients just accumulate locally. ``group``
+    is the process group to average over (all ranks by default; a data-parallel subgroup in a
+    hybrid layout). With a ``timeline``, the backward hooks and all-reduces are recorded in it.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, *, timeline: Timeline | None = None) -> None:
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, *, group: dist.ProcessGroup | None = None,
+                 timeline: Timeline | None = None) -> None:
         super().__init__()
         self.module = module
-        self.world_size = dist.get_world_size()
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self._native_avg = dist.get_backend(group) == "nccl"
         self.timeline = timeline
-        broadcast_parameters(module)
+        broadcast_parameters(module, group=group)
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = assign_buckets(self._params, bucket_cap_mb * 2**20)
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
@@ -335,9 +341,12 @@ class BucketedDDP(nn.Module):
     def _launch(self, b: int) -> None:
         for i in self.buckets[b]:
             self._into_bucket(i)  # only does something for a parameter that got no gradient
-        flat = self.bucket_grads[b].div_(self.world_size)
+        flat = self.bucket_grads[b]
+        if not self._native_avg:
+            flat.div_(self.world_size)
         start = self.timeline.now() if self.timeline is not None else 0.0
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+        op = dist.ReduceOp.AVG if self._native_avg else dist.ReduceOp.SUM
+        work = dist.all_reduce(flat, op=op, group=self.group, async_op=True)
         if self.timeline is not None:
             timeline = self.timeline
             work.get_future().then(lambda _: timeline.add("all-reduce", f"bucket {b}", start, timeline.now()))

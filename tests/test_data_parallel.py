@@ -157,6 +157,37 @@ def test_bucketed_ddp_grads_live_in_the_buckets_and_accumulate_in_place() -> Non
             assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def _train_in_two_groups(world: int) -> list[torch.Tensor]:
+    """Two SGD steps of an MLP whose data-parallel group is {0, 1} or {2, 3}; in a rank, or (world 1) alone for group 1."""
+    rank = torch.distributed.get_rank() if world > 1 else 2
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])] if world > 1 else [None, None]
+    model = MLP([6, 9, 3], seed=rank).double()  # every rank starts different: the group's first rank must win
+    net = dp.BucketedDDP(model, bucket_cap_mb=1e-4, group=groups[rank // 2]) if world > 1 else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank // 2)  # each group trains on its own data
+    for _ in range(2):
+        x, y = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
+        xs, ys = dp.shard_batch((x, y), rank % 2, 2) if world > 1 else (x, y)
+        opt.zero_grad()
+        F.mse_loss(net(xs), ys).backward()
+        if world > 1:
+            net.finish_gradient_sync()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_bucketed_ddp_averages_within_its_group_only() -> None:
+    torch.set_num_threads(1)
+    want = _train_in_two_groups(1)
+    results = launch(_train_in_two_groups, 4, 4)
+    for rank in (2, 3):
+        for a, b in zip(results[rank], want):
+            assert_close(a, b, rtol=1e-10, atol=1e-12, name=f"rank {rank}'s parameters (group {{2, 3}})")
+    for a, b in zip(results[0], results[1]):
+        assert_close(a, b, rtol=0, atol=0, name="ranks 0 and 1 (one group) should hold the same parameters")
+    assert not torch.allclose(results[0][0], results[2][0]), "the two groups train on different data and must differ"
+
+
 def test_zero1_equals_adam_with_sharded_state() -> None:
     cases = [c for c in CASES if c.optimizer == "adam"] + [dp.TrainCase(sizes=(3, 1, 2), optimizer="adam", lr=0.02, weight_decay=0.1)]
     for world_size in (2, 3):

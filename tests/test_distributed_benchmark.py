@@ -28,14 +28,17 @@ def test_small_run_writes_every_section(tmp_path: Path) -> None:
     assert [r["shape"][0] * 4 for r in rows] == sections["all_reduce"]["sizes_bytes"]
     assert all(r["ours"] > 0 and r["reference"] > 0 and r["ratio"] > 0 for r in rows)
     ddp = sections["ddp"]
-    modes = {"compute_only", "communication_only", "naive", "bucketed", "torch_ddp", "torch_ddp_view"}
+    modes = {"compute_only", "communication_only", "naive", "bucketed", "torch_ddp", "torch_ddp_view",
+             "communication_only_hp", "bucketed_hp", "torch_ddp_hp"}
     assert set(ddp["ms"]) == set(ddp["ms_per_round"]) == modes
     assert all(len(v) == ddp["rounds"] and min(v) <= ddp["ms"][m] <= max(v) for m, v in ddp["ms_per_round"].items())
-    assert ddp["rows"][0]["targets"][0]["kind"] == "time_factor"
-    assert set(ddp["overlap"]) == {"bucketed", "torch_ddp", "torch_ddp_view"}
+    assert [r["name"] for r in ddp["rows"]] == ["ddp_step", "ddp_step_hp"]
+    assert all(r["targets"][0]["kind"] == "time_factor" for r in ddp["rows"])
+    assert set(ddp["overlap"]) == {"bucketed", "torch_ddp", "torch_ddp_view", "bucketed_hp", "torch_ddp_hp"}
     pipeline = sections["pipeline"]
     assert "result" in pipeline and pipeline["checks"] == ["CHECK naive ok", "CHECK gpipe ok", "CHECK 1f1b ok"], pipeline
     report = (tmp_path / "multi_gpu.md").read_text()
     for heading in ("## All-reduce", "## DDP step", "## Pipeline bubble fraction"):
         assert heading in report
+    assert report.count("BucketedDDP / torch DDP time") == 2, "one verdict per process group"
     assert (tmp_path / "multi_gpu_busbw.png").stat().st_size > 0
