@@ -5,7 +5,10 @@
 Writes ``DIR/<chapter>.ipynb`` (executed, outputs kept: the artefacts a GPU runner uploads) and
 ``DIR/times.json`` / ``DIR/times.md``: per notebook the wall time, the device it ran on and the
 cells that raised. The run goes on after a failing notebook; the exit status is 1 when any
-notebook raised, else 0. Used for the run-time table of docs/gpu-run.md, on a CPU and on a GPU.
+notebook raised (a dead kernel or a cell over the timeout counts), else 0. The table is
+rewritten after every notebook, so a run that is stopped (Ctrl-C, or SIGINT from a time limit)
+keeps the notebooks that finished, names the one it stopped in, and exits with 130. Used for the
+run-time table of docs/gpu-run.md, on a CPU and on a GPU.
 """
 
 from __future__ import annotations
@@ -42,13 +45,17 @@ def run_notebook(path: Path, out_dir: Path, cell_timeout: int) -> dict:
     client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
-    client.execute()
+    stopped = []
+    try:
+        client.execute()
+    except Exception as err:  # a dead kernel or a cell over the timeout ends this notebook, not the run
+        stopped = [f"notebook stopped: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]]
     seconds = time.perf_counter() - start
     errors = [
         f"cell {c.get('id')}: {o.ename}: {o.evalue.splitlines()[0] if o.evalue else ''}"[:300]
         for c in nb.cells if c.cell_type == "code"
         for o in c.get("outputs", []) if o.output_type == "error"
-    ]
+    ] + stopped
     nbformat.write(nb, out_dir / path.name)
     return {"chapter": path.parent.name, "seconds": round(seconds, 1), "errors": errors}
 
@@ -59,6 +66,22 @@ def device_name() -> str:
     return env.banner()
 
 
+def write_report(out_dir: Path, rows: list[dict], interrupted: str | None = None) -> str:
+    """Write ``times.json`` and ``times.md`` for the notebooks run so far; return the markdown."""
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device_name(), "notebooks": rows,
+              "total_seconds": round(sum(r["seconds"] for r in rows), 1), "interrupted_in": interrupted}
+    (out_dir / "times.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = ["# Solution notebooks, executed once", "", f"- {report['device']}", f"- {report['date']}", "",
+             "| chapter | seconds | errors |", "|---|---:|---|"]
+    lines += [f"| {r['chapter']} | {r['seconds']:.0f} | {'; '.join(r['errors']) or 'none'} |" for r in rows]
+    lines += [f"| total | {report['total_seconds']:.0f} | |", ""]
+    if interrupted:
+        lines += [f"Stopped while running {interrupted}; the notebooks after it did not run.", ""]
+    markdown = "\n".join(lines)
+    (out_dir / "times.md").write_text(markdown)
+    return markdown
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the notebooks, write the executed copies and the time table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -67,19 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cell-timeout", type=int, default=900)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[dict] = []
+    markdown = write_report(args.out, rows)
     for path in tqdm(chapters(args.chapters), desc="notebooks"):
-        rows.append(run_notebook(path, args.out, args.cell_timeout))
+        try:
+            rows.append(run_notebook(path, args.out, args.cell_timeout))
+        except KeyboardInterrupt:
+            print(write_report(args.out, rows, interrupted=path.parent.name))
+            return 130
         tqdm.write(f"{rows[-1]['chapter']}: {rows[-1]['seconds']:.0f} s, errors: {'; '.join(rows[-1]['errors']) or 'none'}")
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device_name(), "notebooks": rows,
-              "total_seconds": round(sum(r["seconds"] for r in rows), 1)}
-    (args.out / "times.json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = ["# Solution notebooks, executed once", "", f"- {report['device']}", f"- {report['date']}", "",
-             "| chapter | seconds | errors |", "|---|---:|---|"]
-    lines += [f"| {r['chapter']} | {r['seconds']:.0f} | {'; '.join(r['errors']) or 'none'} |" for r in rows]
-    lines += [f"| total | {report['total_seconds']:.0f} | |", ""]
-    (args.out / "times.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+        markdown = write_report(args.out, rows)
+    print(markdown)
     return 1 if any(r["errors"] for r in rows) else 0
 
 
