@@ -178,7 +178,11 @@ def ddp_section(small: bool) -> dict[str, Any]:
         group = hp_group if mode.endswith("_hp") else None
         kind = mode.removesuffix("_hp")
         if kind == "communication_only":
-            return lambda: [work.wait() for work in [dist.all_reduce(f, group=group, async_op=True) for f in flats]]
+            def all_reduce_buckets() -> None:
+                for work in [dist.all_reduce(f, group=group, async_op=True) for f in flats]:
+                    work.wait()
+
+            return all_reduce_buckets
         model = models_by_mode[mode] = copy.deepcopy(base).to(device)
         net: Any = model
         if kind == "bucketed":

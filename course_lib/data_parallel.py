@@ -342,10 +342,11 @@ class BucketedDDP(nn.Module):
         for i in self.buckets[b]:
             self._into_bucket(i)  # only does something for a parameter that got no gradient
         flat = self.bucket_grads[b]
+        op = dist.ReduceOp.AVG
         if not self._native_avg:
             flat.div_(self.world_size)
+            op = dist.ReduceOp.SUM
         start = self.timeline.now() if self.timeline is not None else 0.0
-        op = dist.ReduceOp.AVG if self._native_avg else dist.ReduceOp.SUM
         work = dist.all_reduce(flat, op=op, group=self.group, async_op=True)
         if self.timeline is not None:
             timeline = self.timeline
