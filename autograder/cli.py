@@ -44,8 +44,8 @@ ok row names the first failing tests.
 
 sandbox: each kernel runs under bubblewrap (no network, no view of solutions/, of other
 submissions or of OUT; writable: only its own scratch folder and a private /tmp) with a
-process limit (pids cgroup) and a memory limit; test cells are run and scored by a judge
-that student code cannot redefine (see INSTRUCTORS.md). Without bwrap, grade refuses
+process limit (pids cgroup) and a memory limit; test cells are run and scored by a tester
+that student code cannot reach (see INSTRUCTORS.md). Without bwrap, grade refuses
 (exit 2) unless --no-sandbox is given.
 
 resume: each finished submission is recorded in OUT/.done/; a rerun into the same OUT
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--cell-timeout", type=_positive_int, default=DEFAULT_CELL_TIMEOUT, metavar="SECONDS",
                        help="time limit per cell; the cell is interrupted and scores 0 (default: %(default)s)")
     grade.add_argument("--no-sandbox", action="store_true",
-                       help="run kernels without bubblewrap (only for trusted notebooks; the judge still runs)")
+                       help="run kernels without bubblewrap (only for trusted notebooks; tests still run in the tester)")
     grade.add_argument("--force", action="store_true",
                        help="regrade every submission, also those an earlier run into --out already graded")
     grade.add_argument("--max-processes", type=_positive_int, default=DEFAULT_MAX_PROCESSES, metavar="N",

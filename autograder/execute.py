@@ -1,13 +1,15 @@
-"""nbgrader's Execute step, with each test cell run by the kernel's judge and scored from its verdict.
+"""nbgrader's Execute step, with each test cell judged by the trusted tester instead of the student's kernel.
 
-For a test cell the kernel receives the source after a first line ``# autograder-judge <nonce>``,
-which the kernel's input transformer turns into a call of its judge (see ``autograder.kernel``);
-the notebook keeps the instructor's source. A kernel without the judge runs the cell as it is
-and records no verdict, so the test fails. After the cell, the
-verdict file must hold exactly one verdict for that cell's nonce, and it must say "passed":
-otherwise the cell gets an error output (when it has none yet) and nbgrader scores it 0.
-A verdict that is missing, doubled or contradicted (student code writing to the file, or
-silencing the error the test raised) fails the cell.
+The notebook's cells run in the sandboxed kernel as usual, except the test cells: for each one, the
+tester (``autograder.tester``, a process of its own outside the sandbox) runs the instructor's test
+source, and the kernel runs only ``autograder.agent.serve``, which answers the tester's calls of the
+student's functions. The cell is then given, as outputs: what the student's code printed during
+those calls (as plain text), what the test printed, and the tester's error when the test failed.
+nbgrader scores the cell from those outputs, so the score is the tester's verdict and nothing the
+kernel sends can change it.
+
+Chapters still marked ``"autograder": {"judge": "in-kernel"}`` use ``JudgedExecute`` instead: the
+old judge inside the kernel (``autograder.kernel``), until their tests move to the tester.
 
 Outputs are capped as they arrive (``max_output_bytes`` per notebook): a cell that prints
 100 MB does not fill the grader's memory or the feedback.
@@ -16,7 +18,12 @@ Outputs are capped as they arrive (``max_output_bytes`` per notebook): a cell th
 from __future__ import annotations
 
 import json
+import os
+import queue
 import secrets
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +31,143 @@ from nbclient.util import run_sync
 from nbformat import NotebookNode
 from nbformat.v4 import new_output
 from nbgrader.preprocessors import Execute
-from traitlets import Integer, Unicode
+from traitlets import Dict, Float, Integer, Unicode
 
 from .course import is_test_cell
 from .kernel import TEST_MARKER
 
+__all__ = ["CappedExecute", "JudgedExecute", "TesterProcess", "TrustedExecute"]
+
 TRUNCATED = "\n[output truncated by the grader: the notebook printed more than {} MB]\n"
+# A line of output that the grader adds before the student's own printing in a test cell.
+STUDENT_OUTPUT_LABEL = "[printed by the notebook's code during the test]\n"
 
 
-class JudgedExecute(Execute):
-    """Execute, with test cells judged by the kernel's judge and outputs capped."""
+class TesterProcess:
+    """The trusted tester of one submission: a child process fed one test cell per line."""
+
+    def __init__(self, source: Path, socket_path: Path, cell_timeout: float, env: dict[str, str], cwd: Path):
+        self.cell_timeout = cell_timeout
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "autograder.tester", "--source", str(source), "--socket", str(socket_path),
+             "--cell-timeout", str(cell_timeout)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=cwd, text=True,
+        )
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _next(self, timeout: float) -> dict[str, Any]:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return {"error": ["TestFailed", "the grader's tester did not answer in time"]}
+        if line is None:
+            return {"error": ["TestFailed", f"the grader's tester stopped (exit status {self.proc.poll()})"]}
+        return json.loads(line)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Wait until the tester has imported the tests' modules and listens."""
+        reply = self._next(timeout)
+        if not reply.get("ready"):
+            raise RuntimeError(f"the grader's tester did not start: {reply.get('error')}")
+
+    def start(self, grade_id: str, token: str) -> None:
+        """Ask for one test cell; the kernel must connect with ``token``."""
+        self.proc.stdin.write(json.dumps({"grade_id": grade_id, "token": token}) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+
+    def verdict(self) -> dict[str, Any]:
+        """The verdict of the cell asked for last."""
+        return self._next(self.cell_timeout + 60)
+
+    def stop(self) -> None:
+        """End the tester."""
+        self.proc.kill()
+        self.proc.wait()
+
+
+class CappedExecute(Execute):
+    """Execute, with a notebook's outputs capped at ``max_output_bytes``."""
+
+    max_output_bytes = Integer(8 * 2**20, help="outputs kept per notebook, in bytes").tag(config=True)
+
+    def output(self, outs: list[NotebookNode], msg: dict[str, Any], display_id: str | None,
+               cell_index: int) -> NotebookNode | None:
+        """Keep an output while the notebook's outputs stay under ``max_output_bytes``; then say they were cut."""
+        size = len(json.dumps(msg.get("content", {}), default=str))
+        self._output_bytes = getattr(self, "_output_bytes", 0) + size
+        if self._output_bytes <= self.max_output_bytes or msg["msg_type"] == "error":
+            return super().output(outs, msg, display_id, cell_index)
+        if not getattr(self, "_truncated", False):
+            self._truncated = True
+            outs.append(new_output("stream", name="stdout", text=TRUNCATED.format(self.max_output_bytes // 2**20)))
+        return None
+
+
+class TrustedExecute(CappedExecute):
+    """Execute, with test cells judged by the tester and outputs capped."""
+
+    source_notebook = Unicode("", help="the chapter's source notebook (its test cells are the ones run)").tag(config=True)
+    tester_socket = Unicode("", help="where the tester listens for the kernel").tag(config=True)
+    tester_env = Dict({}, help="environment of the tester process").tag(config=True)
+    tester_timeout = Float(0.0, help="seconds a test cell may take in the tester (default: the cell timeout)").tag(
+        config=True)
+
+    def preprocess(self, nb: NotebookNode, resources: Any = None, km: Any = None) -> Any:
+        """Start the tester next to the kernel, run the notebook, end the tester."""
+        self.tester = TesterProcess(Path(self.source_notebook), Path(self.tester_socket),
+                                    self.tester_timeout or float(self.timeout or 120),
+                                    self.tester_env or dict(os.environ), Path(self.tester_socket).parent)
+        try:
+            return super().preprocess(nb, resources, km)
+        finally:
+            self.tester.stop()
+
+    async def async_execute_cell(self, cell: NotebookNode, cell_index: int, execution_count: int | None = None,
+                                 store_history: bool = True) -> NotebookNode:
+        """Run a cell; a test cell is run by the tester, with the kernel answering its calls."""
+        if not is_test_cell(cell):
+            return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+        if not getattr(self, "_tester_ready", False):
+            self.tester.wait_ready()
+            self._tester_ready = True
+        token, source = secrets.token_hex(16), cell.source
+        self.tester.start(cell.metadata.nbgrader["grade_id"], token)
+        cell.source = f"import autograder.agent\nautograder.agent.serve({self.tester_socket!r}, {token!r})"
+        try:
+            await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+        finally:
+            cell.source = source
+        _judge(cell, self.tester.verdict())
+        return cell
+
+    # nbconvert's preprocess_cell calls execute_cell, which nbclient binds to its own async_execute_cell.
+    execute_cell = run_sync(async_execute_cell)
+
+def _judge(cell: NotebookNode, verdict: dict[str, Any]) -> None:
+    """Give a test cell its outputs: the student's printing as text, the test's printing, the tester's error."""
+    printed = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+    cell.outputs = []
+    if printed:
+        cell.outputs.append(new_output("stream", name="stdout", text=STUDENT_OUTPUT_LABEL + printed[-100_000:]))
+    if verdict.get("output"):
+        cell.outputs.append(new_output("stream", name="stdout", text=str(verdict["output"])))
+    if verdict.get("passed") is True and not verdict.get("error"):
+        return
+    name, value = (list(verdict.get("error") or []) + ["TestFailed", "the test failed"])[:2]
+    cell.outputs.append(new_output("error", ename=str(name), evalue=str(value), traceback=[f"{name}: {value}"]))
+
+
+class JudgedExecute(CappedExecute):
+    """(Chapters marked in-kernel only.) Execute, with test cells judged by the kernel's judge and outputs capped."""
 
     judge_name = Unicode("", help="the judge's name in the kernel's builtins ('' runs cells as they are)").tag(config=True)
     verdict_file = Unicode("", help="file the judge appends its verdicts to").tag(config=True)
-    max_output_bytes = Integer(8 * 2**20, help="outputs kept per notebook, in bytes").tag(config=True)
 
     async def async_execute_cell(self, cell: NotebookNode, cell_index: int, execution_count: int | None = None,
                                  store_history: bool = True) -> NotebookNode:
@@ -72,19 +202,6 @@ class JudgedExecute(Execute):
         if not sep or " " in name:
             name, value = "TestFailed", reason
         cell.outputs.append(new_output("error", ename=name, evalue=value, traceback=[f"{name}: {value}"]))
-
-    def output(self, outs: list[NotebookNode], msg: dict[str, Any], display_id: str | None,
-               cell_index: int) -> NotebookNode | None:
-        """Keep an output while the notebook's outputs stay under ``max_output_bytes``; then say they were cut."""
-        size = len(json.dumps(msg.get("content", {}), default=str))
-        self._output_bytes = getattr(self, "_output_bytes", 0) + size
-        if self._output_bytes <= self.max_output_bytes or msg["msg_type"] == "error":
-            return super().output(outs, msg, display_id, cell_index)
-        if not getattr(self, "_truncated", False):
-            self._truncated = True
-            outs.append(new_output("stream", name="stdout", text=TRUNCATED.format(self.max_output_bytes // 2**20)))
-        return None
-
 
 def _read_verdicts(path: Path) -> list[dict]:
     """The verdict lines of the judge's file (unreadable lines are skipped)."""

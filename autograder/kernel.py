@@ -1,4 +1,9 @@
-"""The grading kernel: ipykernel with a judge installed before any student code runs.
+"""The grading kernel: ipykernel with the memory limit, and for chapters still marked ``in-kernel`` the old judge.
+
+Chapters are graded by the trusted tester (``autograder.tester``), outside this process. The
+judge below is kept only for the chapters whose source notebook still says
+``"autograder": {"judge": "in-kernel"}`` in its metadata (their tests launch ranks from the
+student's process and are being moved to the tester); it is removed with the last of them.
 
 Started by the grader's kernelspec (``python -m autograder.kernel -f CONNECTION_FILE``, inside
 bubblewrap; see ``autograder.sandbox``). Before the first cell it:
@@ -208,7 +213,7 @@ def main() -> None:
         sys.path.pop(0)  # as ipykernel_launcher does: the notebook's folder is not a package root
     app = IPKernelApp.instance()
     app.initialize(sys.argv[1:])
-    if settings:
+    if settings.get("name"):  # a chapter marked in-kernel: install the old judge
         judge = Judge(app.shell, app.kernel, settings["imports"], settings["verdicts"])
         setattr(builtins, settings["name"], judge.run_test)
         judge.entries.append((builtins, settings["name"], judge.run_test))

@@ -3,8 +3,9 @@
 Started by ``autograder.grade`` in a scratch course directory that holds a copy of the
 chapter's gradebook and ``submitted/<student>/<chapter>/<chapter>.ipynb``; the parent
 enforces the time limit by killing this process and everything it started. The kernel runs
-through a kernelspec written here: in bubblewrap (``autograder.sandbox``), with the judge
-(``autograder.kernel``), and nbgrader's Execute step is ``autograder.execute.JudgedExecute``.
+through a kernelspec written here, in bubblewrap (``autograder.sandbox``); nbgrader's Execute step is
+``autograder.execute.TrustedExecute``, which runs each test cell in the trusted tester
+(``autograder.tester``) while the kernel answers its calls.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def trusted_imports(source_notebook: Path) -> list[str]:
 
 def judged_config(scratch: Path, source_dir: Path, chapter: str, student: str, *, sandboxed: bool,
                   memory_bytes: int | None) -> Config:
-    """Settings that run the submission's kernel in the sandbox with the judge, and the files that go with them."""
+    """(Chapters marked in-kernel only.) Settings that run the kernel in the sandbox with the old in-kernel judge."""
     from nbgrader.converters import Autograde
     from nbgrader.preprocessors import Execute
 
@@ -71,6 +72,42 @@ def judged_config(scratch: Path, source_dir: Path, chapter: str, student: str, *
     return c
 
 
+def judged_in_kernel(source_notebook: Path) -> bool:
+    """Whether a chapter is still graded by the old in-kernel judge (its metadata says so); else by the tester."""
+    return read_notebook(source_notebook).metadata.get("autograder", {}).get("judge") == "in-kernel"
+
+
+def trusted_config(scratch: Path, source_dir: Path, chapter: str, student: str, *, sandboxed: bool,
+                   memory_bytes: int | None, cell_timeout: int) -> Config:
+    """Settings that run the submission's kernel in the sandbox and its test cells in the tester."""
+    from nbgrader.converters import Autograde
+    from nbgrader.preprocessors import Execute
+
+    from .execute import TrustedExecute
+
+    ipc_dir, jupyter_dir = scratch / "ipc", scratch / "jupyter"
+    ipc_dir.mkdir(exist_ok=True)
+    settings = ipc_dir / f"kernel-{secrets.token_hex(8)}.json"
+    settings.write_text(json.dumps({"memory_bytes": memory_bytes}), encoding="utf-8")
+    env = {**kernel_environment(dict(os.environ)), CONFIG_VARIABLE: str(settings)}
+    notebook_dir = scratch / "autograded" / student / chapter
+    KernelSandbox(notebook_dir, ipc_dir, env, sandboxed).write_kernelspec(jupyter_dir)
+    # The sandbox kernelspec comes first; folders already on JUPYTER_PATH (nbconvert's templates, for one) stay.
+    jupyter_path = os.pathsep.join(filter(None, [str(jupyter_dir), os.environ.get("JUPYTER_PATH")]))
+    os.environ.update(JUPYTER_PATH=jupyter_path, JUPYTER_RUNTIME_DIR=str(ipc_dir))
+    c = Config()
+    steps = Autograde.class_traits()["autograde_preprocessors"].default()
+    c.Autograde.autograde_preprocessors = [TrustedExecute if step is Execute else step for step in steps]
+    c.TrustedExecute.kernel_name = KERNEL_NAME
+    c.TrustedExecute.source_notebook = str(source_dir / chapter / f"{chapter}.ipynb")
+    c.TrustedExecute.tester_socket = str(ipc_dir / "tester.sock")
+    c.TrustedExecute.tester_timeout = float(cell_timeout)
+    c.KernelManager.transport = "ipc"
+    c.KernelManager.ip = str(ipc_dir / "kernel")
+    c.KernelManager.connection_file = str(ipc_dir / "connection.json")
+    return c
+
+
 def grade_submission(scratch: Path, source_dir: Path, chapter: str, student: str, cell_timeout: int, *,
                      sandboxed: bool = True, memory_bytes: int | None = None) -> dict:
     """Autograde and make feedback for one submission in ``scratch``; return status, scores and per-cell grades."""
@@ -85,7 +122,11 @@ def grade_submission(scratch: Path, source_dir: Path, chapter: str, student: str
         release_directory=str(scratch / "release"),
         cell_timeout=cell_timeout,
     )
-    config.merge(judged_config(scratch, source_dir, chapter, student, sandboxed=sandboxed, memory_bytes=memory_bytes))
+    if judged_in_kernel(source_dir / chapter / f"{chapter}.ipynb"):
+        config.merge(judged_config(scratch, source_dir, chapter, student, sandboxed=sandboxed, memory_bytes=memory_bytes))
+    else:
+        config.merge(trusted_config(scratch, source_dir, chapter, student, sandboxed=sandboxed,
+                                    memory_bytes=memory_bytes, cell_timeout=cell_timeout))
     api = NbGraderAPI(config=config)
     for step, run in (("autograde", api.autograde), ("generate_feedback", api.generate_feedback)):
         result = run(chapter, student)

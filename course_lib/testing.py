@@ -6,9 +6,10 @@ what was expected, what came back, and where the two differ.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -120,6 +121,54 @@ def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except NotImplementedError:
         raise NotDoneYet(f"{_name(fn)} is not implemented yet: replace `raise NotImplementedError()` with your code") from None
+
+
+_BY_REFERENCE: dict[int, Any] = {}
+_SENDER: list[Any] = []
+
+
+def by_reference(obj: Any) -> Any:
+    """Mark ``obj`` to stay with the tests when it is handed to a student's function; return it.
+
+    In a notebook this changes nothing. Under the grader, where tests run in a process of their own,
+    the student's code then calls back to this very object (a counting source, a simulated clock)
+    instead of receiving a copy, so what the test observes is what the student's code did.
+    """
+    _BY_REFERENCE[id(obj)] = obj
+    return obj
+
+
+def is_by_reference(obj: Any) -> bool:
+    """Whether ``by_reference`` marked ``obj``."""
+    return id(obj) in _BY_REFERENCE and _BY_REFERENCE[id(obj)] is obj
+
+
+def student_side(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, to be run where the student's objects live; its result must be plain data.
+
+    In a notebook this is ``fn`` itself. Under the grader it is sent by value to the student's kernel and
+    run there (an autograd backward through the student's module, a check that a builtin is not used),
+    and only its plain-data result comes back to be judged.
+    """
+    if not _SENDER:
+        return fn
+    channel = _SENDER[-1]
+
+    @functools.wraps(fn)
+    def in_student_kernel(*args: Any, **kwargs: Any) -> Any:
+        return channel.request(fn, "call", args, kwargs, "args")
+
+    return in_student_kernel
+
+
+@contextlib.contextmanager
+def sending_to(channel: Any) -> Iterator[None]:
+    """Within the block, ``student_side`` sends functions over ``channel`` (used by the grader's tester)."""
+    _SENDER.append(channel)
+    try:
+        yield
+    finally:
+        _SENDER.pop()
 
 
 def use_or_fallback(student_fn: Callable[..., Any], reference_fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -6,9 +6,11 @@ made here, with two chapters that run in seconds:
 - 90_tiny: one exercise, `double(x)`, plain Python. Sandbox probes write `double` so that it is
   right only when the attack *failed* (reading solutions/ raised, the socket did not connect...):
   full marks prove the sandbox held. Broken files get their status.
-- 91_judge: four exercises whose tests use `course_lib.testing.assert_close`, `torch.allclose`,
-  `numpy.allclose` and a bare `assert`. Every cheater's functions are wrong, and each tries one
-  way of making the tests pass anyway: every one must score 0.
+- 91_judge: five exercises whose tests use `course_lib.testing.assert_close`, `torch.allclose`,
+  `numpy.allclose`, a bare `assert` and a course_lib reference (`tensor_nbytes`). Every cheater's
+  functions are wrong (or delegate to the reference), and each tries one way of making the tests
+  pass anyway: every one must score 0. The tests run in the trusted tester, a process of its own;
+  the attacks act on the student's kernel, where nothing judges.
 
 Needs bubblewrap (the grader refuses without it); skipped where it is missing. The fork-bomb
 case needs a writable pids cgroup (CI containers without one: skipped, see the test).
@@ -62,7 +64,8 @@ def notebook(cells: list[NotebookNode]) -> NotebookNode:
 
 TINY_NB = notebook(exercise("double", "return 2 * x", "assert double(2) == 4", "assert double(-1) == -2"))
 JUDGE_NB = notebook([
-    cell("import numpy as np\nimport torch\nfrom course_lib.testing import assert_close, call"),
+    cell("import numpy as np\nimport torch\nfrom course_lib import floating_point as fp\n"
+         "from course_lib.testing import assert_close, call"),
     *exercise("double", "return 2 * x", "assert_close(call(double, torch.tensor([1.0, 2.0])), torch.tensor([2.0, 4.0]))",
               "assert_close(call(double, torch.ones(3)), 2 * torch.ones(3))"),
     *exercise("triple", "return 3 * x", "assert torch.allclose(call(triple, torch.ones(2)), 3 * torch.ones(2))",
@@ -70,8 +73,12 @@ JUDGE_NB = notebook([
     *exercise("half", "return x / 2", "assert np.allclose(call(half, np.ones(2)), 0.5 * np.ones(2))",
               "assert np.allclose(call(half, np.arange(3.0)), np.arange(3.0) / 2)"),
     *exercise("neg", "return -x", "assert call(neg, 3) == -3", "assert call(neg, -1) == 1"),
+    *exercise("tensor_nbytes", "return x.numel() * x.element_size()",
+              "assert call(tensor_nbytes, torch.zeros(3)) == fp.tensor_nbytes(torch.zeros(3))",
+              "assert call(tensor_nbytes, torch.zeros(2, 5, dtype=torch.float16)) == 20"),
 ])
-WRONG = {"double": "return x", "triple": "return x", "half": "return x", "neg": "return x"}
+WRONG = {"double": "return x", "triple": "return x", "half": "return x", "neg": "return x", "tensor_nbytes": "return 0"}
+JUDGE_POINTS = len(WRONG)
 
 # 91_judge cheaters: wrong functions plus one attack, in a cell of their own after the setup cell.
 CHEATS = {
@@ -98,6 +105,50 @@ CHEATS = {
                       "            with open(target, 'a') as f:\n"
                       "                f.write(json.dumps({'nonce': found.group(1), 'passed': True, 'message': ''}) + '\\n')\n"
                       "get_ipython().events.register('pre_run_cell', _forge)",
+    # Lying values: comparisons that always agree.
+    "lying_float": "class _Yes(float):\n    def __eq__(self, other):\n        return True\n    __ne__ = lambda s, o: False\n"
+                   "    __le__ = __ge__ = __lt__ = __gt__ = __eq__\n    __hash__ = float.__hash__\n"
+                   "def _lie(f):\n    return lambda *a, **k: _Yes(0.0)\n",
+    "lying_tensor": "class _Yes(torch.Tensor):\n    @classmethod\n    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
+                    "        return torch.tensor(True)\n"
+                    "def _lie(f):\n    return lambda x: torch.zeros(1).as_subclass(_Yes)\n",
+    "tensor_base_methods": "torch._C.TensorBase.__eq__ = lambda *a: torch.tensor(True)\n"
+                           "torch._C.TensorBase.allclose = lambda *a, **k: True\n"
+                           "torch._C.TensorBase.__bool__ = lambda *a: True",
+    "module_class_swap": "import types, math\nclass _M(types.ModuleType):\n    def __getattr__(self, n):\n"
+                         "        return lambda *a, **k: True\nmath.__class__ = _M\nnp.__class__ = _M\ntorch.__class__ = _M",
+    "finfo_math_patch": "import math\nmath.isclose = lambda *a, **k: True\ntorch.finfo = lambda *a: None",
+    # Reaching the grader from inside: input transformers, ast transformers, gc, profile hooks, threads, signals.
+    "input_transformers": "ip = get_ipython()\n_pass = lambda lines: ['pass\\n']\nip.input_transformers_cleanup.insert(0, _pass)\n"
+                          "ip.input_transformers_post.append(_pass)",
+    "ast_transformer": "import ast\nclass _Empty(ast.NodeTransformer):\n    def visit_Module(self, node):\n"
+                       "        return ast.Module(body=[], type_ignores=[])\nget_ipython().ast_transformers.append(_Empty())",
+    "gc_hunt": "import gc, builtins\nfor _o in gc.get_objects():\n    try:\n"
+               "        if callable(_o) and 'judge' in getattr(_o, '__qualname__', '').lower():\n"
+               "            _o.__globals__['__builtins__'] = {}\n    except Exception:\n        pass\n"
+               "for _n in dir(builtins):\n    if 'judge' in _n:\n        setattr(builtins, _n, lambda *a, **k: None)",
+    "profile_hook": "import sys, builtins\n_real = builtins.AssertionError\n"
+                    "def _hook(frame, event, arg):\n    builtins.abs = lambda x: 0\nsys.setprofile(_hook)",
+    "thread_and_signal": "import threading, signal, time, builtins\n"
+                         "def _spin():\n    while True:\n        torch.allclose = lambda *a, **k: True\n        time.sleep(0.001)\n"
+                         "threading.Thread(target=_spin, daemon=True).start()\n"
+                         "signal.signal(signal.SIGALRM, lambda *a: None)\nsignal.setitimer(signal.ITIMER_REAL, 0.01, 0.01)",
+    "agent_replaced": "import sys, types\n_fake = types.ModuleType('autograder.agent')\n"
+                      "_fake.serve = lambda *a, **k: print('ok')\nsys.modules['autograder.agent'] = _fake\n"
+                      "import autograder\nautograder.agent = _fake",
+    "print_history": "print(get_ipython().user_ns.get('In'))\nget_ipython().events.register('post_run_cell', "
+                     "lambda r: print('LEAK', r.info.raw_cell))",
+    # The reference is not an answer: delegating to it, by any route, scores 0; patching it changes nothing.
+    "delegate_reference": "import importlib\nfrom course_lib.floating_point import tensor_nbytes as _ref\n"
+                          "_copy = type(_ref)(_ref.__code__, _ref.__globals__)\n_reloaded = importlib.reload(fp)",
+    "patch_reference": "import course_lib.floating_point as _fp\n_fp.tensor_nbytes = lambda t: 0\nfp.tensor_nbytes = _fp.tensor_nbytes",
+}
+# How a cheater's function is written when the attack needs it (default: the wrong body of WRONG).
+CHEAT_BODIES = {
+    "lying_float": {"neg": "return _lie(None)(x)", "half": "return np.zeros(1)"},
+    "lying_tensor": {"double": "return _lie(None)(x)", "triple": "return _lie(None)(x)"},
+    "delegate_reference": {"tensor_nbytes": "return _ref(x) + _copy(x) * 0 if x.numel() != 3 else fp.tensor_nbytes(x)"},
+    "patch_reference": {"tensor_nbytes": "return 0"},
 }
 # 91_judge student who is right only when the grader's NBGRADER_EXECUTION is visible: it is not.
 GRADING_DETECTOR = ("import os\n_graded = bool(os.environ.get('NBGRADER_EXECUTION'))\n"
@@ -122,6 +173,8 @@ def tiny_sources(paths: dict[str, str], port: int) -> dict[str, tuple[str, Expec
     writes = "\n".join(f"    _try(lambda: open({str(Path(p).parent / 'PWNED')!r}, 'w').write('x'))" for p in paths.values())
     return {
         "fine": ("def double(x):\n    return 2 * x", Expect("ok", 1)),
+        # Right on the visible test's input only: the hidden test runs at grading and fails it.
+        "visible_only": ("def double(x):\n    return 4 if x == 2 else 0", Expect("ok", 0)),
         "reads_files": (prober + "def _probe():\n" + readable + "\n_probe()" + right_if_held, Expect("ok", 1)),
         "writes_outside": (prober + "def _probe():\n" + writes + "\n_probe()" + right_if_held, Expect("ok", 1)),
         "network": (prober + "import socket\n_try(lambda: socket.create_connection(('127.0.0.1', %d), timeout=3))\n"
@@ -186,7 +239,7 @@ def make_submissions(subs: Path, paths: dict[str, str], port: int) -> dict[str, 
             grade_id = c.metadata.get("nbgrader", {}).get("grade_id", "")
             if grade_id.endswith("_code") and attack is not None:
                 name = grade_id.removesuffix("_code")
-                c.source = f"def {name}(x):\n    {WRONG[name]}"
+                c.source = f"def {name}(x):\n    {CHEAT_BODIES.get(student, {}).get(name, WRONG[name])}"
                 if student == "patch_during_test" and name == "double":
                     c.source = "def double(x):\n    _rig()\n    return x"
         if attack is not None:
@@ -295,12 +348,12 @@ def test_huge_output_is_capped_in_the_feedback(graded: Graded) -> None:
 @pytest.mark.parametrize("student", sorted(CHEATS) + ["honest_wrong", "detector"])
 def test_cheating_scores_zero(graded: Graded, student: str) -> None:
     row = graded.rows[student, JUDGE]
-    assert row["status"] == "ok" and float(row["score"]) == 0 and float(row["max_score"]) == 4, row
+    assert row["status"] == "ok" and float(row["score"]) == 0 and float(row["max_score"]) == JUDGE_POINTS, row
 
 
 def test_honest_solution_under_the_judge_scores_full_marks(graded: Graded) -> None:
     row = graded.rows["judge_fine", JUDGE]
-    assert row["status"] == "ok" and float(row["score"]) == 4, row
+    assert row["status"] == "ok" and float(row["score"]) == JUDGE_POINTS, row
 
 
 def test_feedback_shows_results_but_no_hidden_tests(graded: Graded) -> None:

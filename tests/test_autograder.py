@@ -49,8 +49,9 @@ COURSE = Course(ROOT)
 CHAPTERS = COURSE.chapters()
 PARTIAL_CHAPTERS = CHAPTERS[:2]
 HIDDEN_BLOCK = r"BEGIN HIDDEN TESTS[^\n]*\n(.*?)\n[^\n]*END HIDDEN TESTS"
-# A student cell that shows what the grader executes: before each cell runs, it prints a
-# fingerprint of that cell's hidden tests, which then shows in the feedback.
+# A student cell that would show what the kernel executes: before each cell runs, it prints a
+# fingerprint of that cell's hidden tests, which would then show in the feedback. Tests run in the
+# grader's tester, so the kernel never receives them and the spy must find nothing.
 SPY_CELL = f"""\
 import hashlib, re, sys
 def _spy(info):
@@ -94,6 +95,11 @@ def hidden_fingerprints(nb: NotebookNode) -> dict[str, str]:
         if block:
             found[cell.metadata.nbgrader["grade_id"]] = hashlib.md5(block.group(1).encode()).hexdigest()
     return found
+
+
+def read_notebook_metadata(chapter: str) -> dict:
+    """The grader's settings in a chapter's source notebook metadata."""
+    return nbformat.read(COURSE.source_notebook(chapter), as_version=4).metadata.get("autograder", {})
 
 
 def html_text(path: Path) -> str:
@@ -283,11 +289,14 @@ def test_edited_or_deleted_test_cells_are_put_back(graded: Graded, chapter: str)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("chapter", CHAPTERS)
-def test_hidden_tests_run_at_grading(graded: Graded, chapter: str) -> None:
+def test_hidden_tests_never_reach_the_kernel(graded: Graded, chapter: str) -> None:
     fingerprints = hidden_fingerprints(nbformat.read(COURSE.source_notebook(chapter), as_version=4))
     printed = set(re.findall(r"SPY\s+([0-9a-f]{32})", html_text(graded.out / "feedback" / "blank" / f"{chapter}.html")))
-    missing = sorted(g for g, md5 in fingerprints.items() if md5 not in printed)
-    assert fingerprints and not missing, f"the grader did not run the hidden tests of {missing}"
+    assert fingerprints
+    if read_notebook_metadata(chapter).get("judge") == "in-kernel":  # the old judge runs tests in the kernel
+        return
+    leaked = sorted(g for g, md5 in fingerprints.items() if md5 in printed)
+    assert not leaked, f"the student's kernel saw the hidden tests of {leaked}"
 
 
 @pytest.mark.slow
@@ -342,19 +351,29 @@ TINY_STUDENTS = {
 
 @pytest.mark.slow
 def test_time_limit_crash_and_stderr_on_a_tiny_chapter(tmp_path: Path) -> None:
-    course, submissions, out, name = tmp_path / "course", tmp_path / "submissions", tmp_path / "out", "90_tiny"
+    # Only the sleeper may meet a time limit: it runs alone with a short one (it sleeps far longer,
+    # whatever the load); the others get one they never come near, in a second run at the same time.
+    course, name = tmp_path / "course", "90_tiny"
     nb = tiny_chapter(course, name)
-    for student, extra in TINY_STUDENTS.items():
-        submitted = copy.deepcopy(nb)
-        submitted.cells[0].source += extra
-        (submissions / student / name).mkdir(parents=True)
-        nbformat.write(submitted, submissions / student / name / f"{name}.ipynb")
-    result = run_cli(
-        "grade", str(submissions), "--out", str(out), "--course-root", str(course), "--jobs", "3", "--timeout", "20"
-    )
-    with open(out / "grades.csv", newline="", encoding="utf-8") as f:
-        rows = {r["student_id"]: r for r in csv.DictReader(f)}
-    assert result.returncode == 1, result.stdout + result.stderr
+    runs = {"slow": (["sleeper"], "20"), "honest": ([s for s in TINY_STUDENTS if s != "sleeper"], "600")}
+    processes = {}
+    for run, (students, timeout) in runs.items():
+        for student in students:
+            submitted = copy.deepcopy(nb)
+            submitted.cells[0].source += TINY_STUDENTS[student]
+            (tmp_path / run / student / name).mkdir(parents=True)
+            nbformat.write(submitted, tmp_path / run / student / name / f"{name}.ipynb")
+        command = [sys.executable, "-m", "autograder", "grade", str(tmp_path / run), "--out",
+                   str(tmp_path / f"{run}_out"), "--course-root", str(course), "--jobs", "2", "--timeout", timeout,
+                   *SANDBOX_ARGS]
+        processes[run] = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True)
+    outputs = {run: proc.communicate(timeout=900)[0] for run, proc in processes.items()}
+    rows = {}
+    for run in runs:
+        with open(tmp_path / f"{run}_out" / "grades.csv", newline="", encoding="utf-8") as f:
+            rows.update({r["student_id"]: r for r in csv.DictReader(f)})
+    assert processes["slow"].returncode == processes["honest"].returncode == 1, outputs
     assert rows["fine"]["status"] == "ok" and rows["fine"]["score"] == "1", rows["fine"]
     assert rows["sleeper"]["status"] == "timeout" and "20 s" in rows["sleeper"]["message"], rows["sleeper"]
     assert rows["crasher"]["status"] == "error" and "Kernel died" in rows["crasher"]["message"], rows["crasher"]
