@@ -151,10 +151,13 @@ class TrustedExecute(CappedExecute):
 
 def _judge(cell: NotebookNode, verdict: dict[str, Any]) -> None:
     """Give a test cell its outputs: the student's printing as text, the test's printing, the tester's error."""
-    printed = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+    printed = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.get("name") != "stderr")
+    errors = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.get("name") == "stderr")
     cell.outputs = []
     if printed:
         cell.outputs.append(new_output("stream", name="stdout", text=STUDENT_OUTPUT_LABEL + printed[-100_000:]))
+    if errors:  # a test cell that writes to stderr fails, as nbgrader scores it (harmless library noise is dropped)
+        cell.outputs.append(new_output("stream", name="stderr", text=errors[-100_000:]))
     if verdict.get("output"):
         cell.outputs.append(new_output("stream", name="stdout", text=str(verdict["output"])))
     if verdict.get("passed") is True and not verdict.get("error"):
