@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .config import DEFAULT_CELL_TIMEOUT, DEFAULT_SUBMISSION_TIMEOUT
 from .course import Course, UnknownChapterError, default_course_root
-from .sandbox import DEFAULT_MAX_PROCESSES, DEFAULT_MEMORY_BYTES
+from .sandbox import DEFAULT_DISK_BYTES, DEFAULT_MAX_PROCESSES, DEFAULT_MEMORY_BYTES
 
 RELEASE_HELP = """\
 Generate the student notebooks notebooks/NN_name/NN_name.ipynb from the instructor
@@ -34,22 +34,35 @@ writes:
                          student: for a spreadsheet or an LMS import)
   OUT/feedback/<student_id>/<chapter>.html
   OUT/.done/             the finished grades, for resuming
+A text cell that a spreadsheet would run as a formula (it starts with = + - @, a tab or
+a CR) is written with a quote first: a student id "=SUM(A1)" appears as "'=SUM(A1)".
 
 status: ok (graded, whatever the score); unknown_chapter (no such chapter in
 solutions/); missing_notebook (no <chapter>.ipynb in the folder; the message lists what
-is there); invalid_notebook (not a readable notebook); timeout (stopped after --timeout
-seconds); error (autograde failed, e.g. the kernel died; the message has the last log
-line). A submission that is not ok scores 0 and gets no feedback file. The message of an
-ok row names the first failing tests.
+is there); invalid_notebook (empty, over 20 MB, or not a readable nbformat 4 notebook);
+invalid_submission (the notebook, the chapter folder or the student folder is a symbolic
+link or not a plain file or folder: never followed or read); invalid_id (the student
+folder's name is not printable UTF-8, starts with a dot, or starts or ends with a space:
+rename it; no row in export.csv); timeout (stopped after --timeout seconds); error
+(autograde failed, e.g. the kernel died; the message has the last log line). A
+submission that is not ok scores 0 and gets no feedback file. The message of an ok row
+names the first failing tests. Every submission gets exactly one row.
 
 sandbox: each kernel runs under bubblewrap (no network, no view of solutions/, of other
-submissions or of OUT; writable: only its own scratch folder and a private /tmp) with a
-process limit (pids cgroup) and a memory limit; test cells are run and scored by a tester
-that student code cannot reach (see INSTRUCTORS.md). Without bwrap, grade refuses
-(exit 2) unless --no-sandbox is given.
+submissions or of OUT; its working folder and /tmp are private in-memory folders of
+--disk-gb each that vanish with it, and the folder of its IPC sockets a small private
+tmpfs) with a cgroup per submission: a process limit (pids), one CPU share for all its
+processes (cpu) and, on a GPU machine, a memory limit; on a CPU the memory limit is
+RLIMIT_AS. Test cells are run and scored by a tester that student code cannot reach
+(see INSTRUCTORS.md). Feedback shows the submission's outputs and markdown as text: no
+HTML or script of a submission is live in it. A limit this machine cannot enforce (no
+writable cgroup controller, a bwrap without --size, no right to mount) is said once,
+as a "warning:" line, before grading starts. Without bwrap, grade refuses (exit 2)
+unless --no-sandbox is given.
 
 resume: each finished submission is recorded in OUT/.done/; a rerun into the same OUT
-skips what is recorded (same notebook bytes, same source) unless --force.
+skips what is recorded (same notebook bytes, same source) unless --force. A record that
+is damaged is ignored and that submission graded again.
 
 exit status: 0 every submission graded (status ok); 1 at least one submission not ok;
 2 usage error (SUBMISSIONS missing or holding no submission, unknown --chapter)."""
@@ -118,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--memory-gb", type=_positive_float, default=DEFAULT_MEMORY_BYTES / 2**30, metavar="GB",
                        help="memory per kernel process: RLIMIT_AS on a CPU, a memory cgroup on a GPU machine "
                             "(default: %(default)s)")
+    grade.add_argument("--disk-gb", type=_positive_float, default=DEFAULT_DISK_BYTES / 2**30, metavar="GB",
+                       help="size of a kernel's /tmp and of its working folder, each: in memory, gone after the "
+                            "submission (default: %(default)s)")
     grade.set_defaults(handler=_grade, parser=grade)
 
     validate = commands.add_parser("validate", parents=[common], formatter_class=fmt, description=VALIDATE_HELP,
@@ -182,6 +198,7 @@ def _grade(args: argparse.Namespace, course: Course) -> int:
         course, args.submissions, args.out, chapter=args.chapter, jobs=args.jobs,
         timeout=args.timeout, cell_timeout=args.cell_timeout, sandbox=not args.no_sandbox, force=args.force,
         max_processes=args.max_processes, memory_bytes=int(args.memory_gb * 2**30),
+        disk_bytes=int(args.disk_gb * 2**30),
     )
     return 0 if all(g.status == "ok" for g in grades) else 1
 

@@ -10,7 +10,8 @@ Settings that matter for grading:
   pattern ``HARMLESS_STDERR`` drops a stderr output only when *every* line of it is library
   noise that the student did not cause (see below).
 - ``OverwriteCells.add_missing_cells``: a deleted test cell is put back and run.
-- Feedback hides the hidden tests (``autograder.feedback.RedactHiddenTests``).
+- Feedback hides the hidden tests (``autograder.feedback.RedactHiddenTests``) and shows what the
+  submission produced as inert text (``autograder.feedback.InertOutputs`` and ``InertHTMLExporter``).
 """
 
 from __future__ import annotations
@@ -83,8 +84,10 @@ def nbgrader_config(
     c.GenerateFeedback.preprocessors = [
         "nbgrader.preprocessors.GetGrades",
         "autograder.feedback.RedactHiddenTests",
+        "autograder.feedback.InertOutputs",
         "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
     ]
+    c.GenerateFeedback.exporter_class = "autograder.feedback.InertHTMLExporter"
     return c
 
 

@@ -8,18 +8,31 @@ for resuming).
 Each kernel runs in the sandbox of ``autograder.sandbox`` and its test cells are judged by
 ``autograder.kernel`` / ``autograder.execute``.
 
+Nothing a submission holds is trusted (``autograder.intake``). Its folders and notebook are
+opened without following a link; a link, or anything but a plain folder or file, gets a row
+with the status ``invalid_submission`` and is never read. A student id is reported in the
+tables as it is, but graded under an internal name (``s00042``): that is the only name on a
+command line or in a scratch path. The notebook's bytes are read once (at most
+MAX_NOTEBOOK_BYTES) and parsed in a child process with a time and memory limit. What comes
+back from a submission's scratch folder (result, log, feedback page) is read the same way.
+
 The gradebook of every chapter is generated once from solutions/ (hidden tests included)
 into a scratch template; each submission gets its own copy, outside the repository, with
 only its notebook (no other submitted file can shadow a module the tests import). nbgrader's
 autograde then puts back every locked cell from the gradebook, so the tests that run are the
 instructor's, hidden ones included, even when a student edited or deleted a test cell.
+
+Every submission gets exactly one row, whatever happens to the others, to the resume record
+or to its own grading; a text cell that a spreadsheet would run as a formula is escaped.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -28,43 +41,54 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-import nbformat
 import psutil
 
 from .config import DEFAULT_CELL_TIMEOUT, DEFAULT_SUBMISSION_TIMEOUT, child_environment
 from .course import Course, graded_points, read_notebook
+from .intake import (
+    MAX_NOTEBOOK_BYTES, RefusedFile, TooLarge, check_notebook, copy_regular, id_problem, open_folder, read_regular,
+    shown, write_whole,
+)
 from .logs import last_relevant_line
 from .release import ReleaseError, generate_assignments
-from .sandbox import DEFAULT_MAX_PROCESSES, DEFAULT_MEMORY_BYTES, Cgroup, check_available, uses_gpu
+from .sandbox import (
+    DEFAULT_DISK_BYTES, DEFAULT_MAX_PROCESSES, DEFAULT_MEMORY_BYTES, DISK_VARIABLE, IPC_BYTES, Cgroup, check_available,
+    in_private_tmpfs, private_tmpfs_available, unenforced_limits, uses_gpu,
+)
 
 GRADES_COLUMNS = ["student_id", "chapter", "score", "max_score", "status", "message"]
 DETAIL_COLUMNS = ["student_id", "chapter", "grade_id", "score", "max_score"]
-# Submissions larger than this are not read at all.
-MAX_NOTEBOOK_BYTES = 100 * 2**20
+# What is read back from a submission's scratch folder, at most.
+MAX_FEEDBACK_BYTES = 64 * 2**20
+MAX_RESULT_BYTES = 16 * 2**20
+MAX_LOG_TAIL_BYTES = 2**20
+MAX_RECORD_BYTES = 16 * 2**20
 # OUT/.done/<key>.json: the grade of each finished submission, so that a rerun resumes.
 DONE_DIRECTORY = ".done"
 # Set in the environment of each worker, and so of its kernel and what that starts: finds them to clean up.
 MARKER_VARIABLE = "AUTOGRADER_SUBMISSION"
+# A CSV cell starting with one of these would run as a formula in a spreadsheet (OWASP: prefix a quote).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+LINK_MESSAGE = "is a symbolic link: links are not followed (put the files themselves there)"
 
 
 @dataclass(frozen=True)
 class Submission:
-    """One student's folder for one chapter."""
+    """One chapter folder of one student folder, as found: its names as the tables show them, and where it is."""
 
     student_id: str
     chapter: str
-    folder: Path
-
-    @property
-    def notebook(self) -> Path:
-        """Where the chapter's notebook should be."""
-        return self.folder / f"{self.chapter}.ipynb"
+    # The folder names on disk below SUBMISSIONS: (student,) or (student, chapter).
+    names: tuple[str, ...]
+    # (status, message) when the names alone rule grading out.
+    problem: tuple[str, str] | None = None
 
 
 @dataclass
@@ -81,52 +105,127 @@ class Grade:
 
 
 def find_submissions(submissions_dir: Path, chapter: str | None = None) -> list[Submission]:
-    """Every ``<student_id>/<chapter>/`` folder (only ``chapter``'s when given), sorted by student and chapter."""
+    """Every ``<student_id>/<chapter>/`` folder (only ``chapter``'s when given), sorted by student and chapter.
+
+    Folders that cannot be graded (links, names that are no id) are in the list too, with their problem.
+    """
+    return scan_submissions(submissions_dir, chapter)[0]
+
+
+def scan_submissions(submissions_dir: Path, chapter: str | None = None) -> tuple[list[Submission], list[str]]:
+    """``find_submissions``, and a line for each entry that is ignored (a file outside a chapter folder).
+
+    Nothing is followed: a student or chapter folder that is a link becomes a submission with
+    a problem, and so does a student folder whose name cannot be an id. With ``chapter``,
+    submissions about a whole student folder (chapter unknown) are kept too.
+    """
+    found, ignored = [], []
+    with _opened(_open_root(submissions_dir)) as root:
+        for entry in _entries(root):
+            student = shown(entry.name)
+            if entry.is_symlink():
+                link = ("invalid_submission", f"the folder {LINK_MESSAGE}")
+                found.append(Submission(student, "", (entry.name,), link))
+            elif entry.is_dir(follow_symlinks=False):
+                found += _chapter_folders(root, entry.name, ignored)
+            elif not entry.name.startswith("."):
+                ignored.append(f"ignored {student}: not a folder (a submission belongs in "
+                               "<student_id>/<chapter>/<chapter>.ipynb)")
+    kept = [s for s in found if chapter is None or s.chapter in (chapter, "")]
+    return sorted(kept, key=lambda s: (s.student_id, s.chapter)), ignored
+
+
+def _chapter_folders(root: int, name: str, ignored: list[str]) -> list[Submission]:
+    """The submissions in the student folder ``name`` of the folder ``root``; a line in ``ignored`` per stray file."""
+    student, reason = shown(name), id_problem(name)
+    problem = ("invalid_id", f"{reason}: rename the folder") if reason else None
     found = []
-    for student in sorted(p for p in submissions_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        for folder in sorted(p for p in student.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            if chapter is None or folder.name == chapter:
-                found.append(Submission(student.name, folder.name, folder))
-    return found
+    try:
+        with _opened(open_folder(name, root)) as folder:
+            for entry in _entries(folder):
+                chapter = shown(entry.name)
+                if entry.is_symlink():
+                    link = ("invalid_submission", f"the chapter folder {LINK_MESSAGE}")
+                    found.append(Submission(student, chapter, (name, entry.name), problem or link))
+                elif entry.is_dir(follow_symlinks=False):
+                    found.append(Submission(student, chapter, (name, entry.name), problem))
+                elif not entry.name.startswith("."):
+                    ignored.append(f"ignored {student}/{chapter}: a submission belongs in "
+                                   "<student_id>/<chapter>/<chapter>.ipynb")
+    except (OSError, RefusedFile) as exc:
+        unreadable = ("invalid_submission", f"cannot read the folder: {exc}")
+        return [Submission(student, "", (name,), problem or unreadable)]
+    return found or ([Submission(student, "", (name,), problem)] if problem else [])
 
 
-def stray_files(submissions_dir: Path) -> list[Path]:
-    """Files directly in ``SUBMISSIONS/<student_id>/``, outside any chapter folder (they are not graded)."""
-    return sorted(
-        f for student in submissions_dir.iterdir() if student.is_dir() and not student.name.startswith(".")
-        for f in student.iterdir() if f.is_file() and not f.name.startswith(".")
-    )
+def _entries(folder: int) -> list[os.DirEntry]:
+    """The entries of an open folder, sorted by name."""
+    with os.scandir(folder) as entries:
+        return sorted(entries, key=lambda e: e.name)
 
 
-def precheck(sub: Submission, max_scores: dict[str, float]) -> Grade | None:
-    """The non-ok grade of a submission that cannot be graded (unknown chapter, missing or invalid notebook), else None."""
+def _open_root(submissions_dir: Path) -> int:
+    """A descriptor of the SUBMISSIONS folder itself (the instructor's: it may be a link)."""
+    return os.open(submissions_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+@contextmanager
+def _opened(fd: int) -> Iterator[int]:
+    """Close the descriptor ``fd`` after the block."""
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _submission_folder(submissions_dir: Path, names: Sequence[str]) -> Iterator[int]:
+    """The open folder ``SUBMISSIONS/<names...>``, each folder on the way opened without following a link."""
+    fds = [_open_root(submissions_dir)]
+    try:
+        for name in names:
+            fds.append(open_folder(name, fds[-1]))
+        yield fds[-1]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def precheck(sub: Submission, submissions_dir: Path, max_scores: dict[str, float]) -> Grade | bytes:
+    """The non-ok grade of a submission that cannot be graded, else its notebook's bytes.
+
+    Reads at most MAX_NOTEBOOK_BYTES and never through a link; whether the bytes are a notebook
+    is checked later, in a child process (``autograder.intake.check_notebook``).
+    """
+    if sub.problem:
+        return Grade(sub.student_id, sub.chapter, 0, max_scores.get(sub.chapter, 0), *sub.problem)
     if sub.chapter not in max_scores:
         known = ", ".join(max_scores) or "(none)"
         message = f"no chapter '{sub.chapter}' in solutions/ (chapters: {known})"
         return Grade(sub.student_id, sub.chapter, 0, 0, "unknown_chapter", message)
-    fail = Grade(sub.student_id, sub.chapter, 0, max_scores[sub.chapter], "", "")
-    if not sub.notebook.exists():
-        found = ", ".join(sorted(p.name for p in sub.folder.iterdir())) or "nothing"
-        fail.status, fail.message = "missing_notebook", f"expected {sub.notebook.name}; found: {found}"
-        return fail
-    if sub.notebook.is_symlink() or not sub.notebook.is_file():
-        fail.status, fail.message = "invalid_notebook", f"{sub.notebook.name} is not a regular file"
-        return fail
-    size = sub.notebook.stat().st_size
-    if size == 0 or size > MAX_NOTEBOOK_BYTES:
-        fail.status = "invalid_notebook"
-        fail.message = "the file is empty" if size == 0 else f"the file is larger than {MAX_NOTEBOOK_BYTES // 2**20} MB"
-        return fail
+    fail = Grade(sub.student_id, sub.chapter, 0, max_scores[sub.chapter], "invalid_submission")
+    name = f"{sub.chapter}.ipynb"
     try:
-        version = json.loads(sub.notebook.read_bytes()).get("nbformat")
-        if version != 4:
-            raise ValueError(f"nbformat {version!r} is not supported (the course's notebooks are nbformat 4)")
-        nbformat.validate(nbformat.reads(sub.notebook.read_text(encoding="utf-8"), as_version=4))
-    except Exception as exc:  # any way of not being a notebook: bad encoding, bad JSON, bad schema
-        reason = (str(exc).strip().splitlines() or [""])[0][:200]
-        fail.status, fail.message = "invalid_notebook", f"not a readable notebook: {type(exc).__name__}: {reason}"
+        with _submission_folder(submissions_dir, sub.names) as folder:
+            try:
+                data = read_regular(name, MAX_NOTEBOOK_BYTES, dir_fd=folder)
+            except FileNotFoundError:
+                found = ", ".join(shown(n) for n in sorted(os.listdir(folder))[:10]) or "nothing"
+                fail.status, fail.message = "missing_notebook", f"expected {name}; found: {found}"
+                return fail
+    except TooLarge as exc:
+        fail.status, fail.message = "invalid_notebook", str(exc)
         return fail
-    return None
+    except RefusedFile as exc:
+        fail.message = f"{exc}: the grader reads only plain files and folders, never through a link"
+        return fail
+    except OSError as exc:
+        fail.status, fail.message = "error", f"could not read {name}: {exc.strerror or exc}"
+        return fail
+    if not data:
+        fail.status, fail.message = "invalid_notebook", "the file is empty"
+        return fail
+    return data
 
 
 def grade_submissions(
@@ -142,94 +241,140 @@ def grade_submissions(
     force: bool = False,
     max_processes: int = DEFAULT_MAX_PROCESSES,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
+    disk_bytes: int = DEFAULT_DISK_BYTES,
     report: Callable[[str], None] = partial(print, flush=True),
 ) -> list[Grade]:
     """Grade every submission, write grades.csv, grades_detail.csv and feedback/ into ``out_dir``; return the grades.
 
     Raises SandboxUnavailable when ``sandbox`` is asked for and bubblewrap is missing. A
     submission graded by an earlier run into the same ``out_dir`` (same notebook bytes, same
-    source notebook) is not graded again unless ``force``.
+    source notebook) is not graded again unless ``force``. Limits this machine cannot enforce
+    are reported once, first.
     """
     if sandbox:
         check_available()
+    for line in unenforced_limits(sandbox, max_processes, memory_bytes):
+        report(f"warning: {line}")
     jobs = jobs or os.cpu_count() or 1
-    submissions = find_submissions(submissions_dir, chapter)
-    for path in stray_files(submissions_dir):
-        report(f"ignored {path}: a submission belongs in <student_id>/<chapter>/<chapter>.ipynb")
+    submissions, ignored = scan_submissions(submissions_dir, chapter)
+    for line in ignored:
+        report(line)
     points = {c: graded_points(read_notebook(course.source_notebook(c))) for c in course.chapters()}
     max_scores = {c: sum(p.values()) for c, p in points.items()}
     progress = _Progress(len(submissions), report)
-    done = _DoneStore(out_dir / DONE_DIRECTORY, course)
-    grades, todo = [], []
-    for sub in submissions:
-        failed = precheck(sub, max_scores)
-        kept = None if force or failed else done.load(sub)
-        if failed or kept:
-            grades.append(failed or kept)
-            progress.done(failed or kept, 0.0, resumed=kept is not None)
-        else:
-            todo.append(sub)
+    done = _DoneStore(out_dir / DONE_DIRECTORY, course, report)
     (out_dir / "feedback").mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="autograder-grade-") as scratch_name:
+    with tempfile.TemporaryDirectory(prefix="autograder-grade-", ignore_cleanup_errors=True) as scratch_name:
         scratch = Path(scratch_name)
-        chapters = sorted({s.chapter for s in todo})
+        grades, todo = _sort_out(submissions, submissions_dir, max_scores, done, force, scratch, progress)
+        chapters = sorted({job.sub.chapter for job in todo})
         if chapters:
             report(f"building the gradebook of {', '.join(chapters)} from {course.solutions} ...")
         template_db, broken = _build_gradebook(course, chapters, scratch / "template")
-        limits = _Limits(sandbox, max_processes, memory_bytes)
+        limits = _Limits(sandbox, max_processes, memory_bytes, disk_bytes, sandbox and private_tmpfs_available())
         runner = _Runner(course, scratch, template_db, out_dir, max_scores, jobs, timeout, cell_timeout, limits)
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            futures = [pool.submit(runner.run, i, sub) for i, sub in enumerate(todo) if sub.chapter not in broken]
-            for sub in todo:
-                if sub.chapter in broken:
-                    grade = Grade(sub.student_id, sub.chapter, 0, max_scores[sub.chapter], "error", broken[sub.chapter])
+            futures = [pool.submit(runner.run, job) for job in todo if job.sub.chapter not in broken]
+            for job in todo:
+                if job.sub.chapter in broken:
+                    grade = Grade(job.sub.student_id, job.sub.chapter, 0, max_scores[job.sub.chapter], "error",
+                                  broken[job.sub.chapter])
                     grades.append(grade)
                     progress.done(grade, 0.0)
             for future in as_completed(futures):
-                (sub, grade), seconds = future.result()
+                job, grade, seconds = future.result()
                 if grade.status != "error":  # a grader failure may be passing: try it again next time
-                    done.save(sub, grade)
+                    done.save(job.key, grade)
                 grades.append(grade)
                 progress.done(grade, seconds)
     grades.sort(key=lambda g: (g.student_id, g.chapter))
-    for g in grades:
-        if g.status != "ok":
-            (out_dir / "feedback" / g.student_id / f"{g.chapter}.html").unlink(missing_ok=True)
     write_grades(grades, out_dir, {c: list(p) for c, p in points.items()})
-    write_export(grades, out_dir)
+    write_export(grades, out_dir, list(max_scores))
+    _remove_stale_feedback(grades, out_dir, max_scores)
     progress.summary(grades, out_dir)
     return grades
 
 
+def _remove_stale_feedback(grades: Sequence[Grade], out_dir: Path, max_scores: dict[str, float]) -> None:
+    """Remove the feedback page an earlier run left for a submission that is not ok now."""
+    for g in grades:
+        if g.status not in ("ok", "invalid_id") and g.chapter in max_scores:
+            try:
+                (out_dir / "feedback" / g.student_id / f"{g.chapter}.html").unlink(missing_ok=True)
+            except OSError:  # not ours to clean (a file where a student's feedback folder would be)
+                continue
+
+
+def _sort_out(
+    submissions: Sequence[Submission], submissions_dir: Path, max_scores: dict[str, float], done: _DoneStore,
+    force: bool, scratch: Path, progress: _Progress,
+) -> tuple[list[Grade], list[_Job]]:
+    """Precheck every submission: the grades known without grading (problems, earlier runs), and the jobs to grade.
+
+    Each job's notebook is staged in its scratch course as it is read, so that at most one
+    notebook's bytes are held at a time.
+    """
+    grades, todo = [], []
+    for index, sub in enumerate(submissions):
+        checked = precheck(sub, submissions_dir, max_scores)
+        if isinstance(checked, Grade):
+            grades.append(checked)
+            progress.done(checked, 0.0)
+            continue
+        job = _Job(index, sub, done.key(sub, checked))
+        kept = None if force else done.load(job.key, sub)
+        if kept:
+            grades.append(kept)
+            progress.done(kept, 0.0, resumed=True)
+        else:
+            job.stage(scratch, checked)
+            todo.append(job)
+    return grades, todo
+
+
 def write_grades(grades: Sequence[Grade], out_dir: Path, cell_order: dict[str, list[str]]) -> None:
     """Write grades.csv (a row per submission) and grades_detail.csv (a row per graded cell, in notebook order)."""
-    with open(out_dir / "grades.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(GRADES_COLUMNS)
-        for g in grades:
-            writer.writerow([g.student_id, g.chapter, _number(g.score), _number(g.max_score), g.status, g.message])
-    with open(out_dir / "grades_detail.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(DETAIL_COLUMNS)
-        for g in grades:
-            order = cell_order.get(g.chapter, [])
-            for name, score, max_score in sorted(g.cells, key=lambda c: order.index(c[0]) if c[0] in order else len(order)):
-                writer.writerow([g.student_id, g.chapter, name, _number(score), _number(max_score)])
+    rows = [[g.student_id, g.chapter, _number(g.score), _number(g.max_score), g.status, g.message] for g in grades]
+    _write_csv(out_dir / "grades.csv", GRADES_COLUMNS, rows)
+    detail = []
+    for g in grades:
+        order = cell_order.get(g.chapter, [])
+        for name, score, max_score in sorted(g.cells, key=lambda c: order.index(c[0]) if c[0] in order else len(order)):
+            detail.append([g.student_id, g.chapter, name, _number(score), _number(max_score)])
+    _write_csv(out_dir / "grades_detail.csv", DETAIL_COLUMNS, detail)
 
 
-def write_export(grades: Sequence[Grade], out_dir: Path) -> None:
-    """Write export.csv: a row per student, a score column per chapter, then the total (for a spreadsheet or an LMS)."""
-    chapters = sorted({g.chapter for g in grades if g.status != "unknown_chapter"})
+def write_export(grades: Sequence[Grade], out_dir: Path, course_chapters: Sequence[str]) -> None:
+    """Write export.csv: a row per student, a score column per chapter, then the total (for a spreadsheet or an LMS).
+
+    The columns are the course's chapters that were submitted; a student folder whose name is
+    not a valid id (``invalid_id``) has no row: it matches no student of an LMS.
+    """
+    chapters = sorted({g.chapter for g in grades if g.chapter in course_chapters})
     by_student: dict[str, dict[str, Grade]] = {}
     for g in grades:
-        by_student.setdefault(g.student_id, {})[g.chapter] = g
+        if g.status != "invalid_id":
+            by_student.setdefault(g.student_id, {}).update({g.chapter: g} if g.chapter in chapters else {})
     max_total = {c: max((g.max_score for g in grades if g.chapter == c), default=0) for c in chapters}
-    with open(out_dir / "export.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["student_id", *chapters, "total", "max_total"])
-        for student, theirs in sorted(by_student.items()):
-            scores = [theirs[c].score if c in theirs else 0.0 for c in chapters]
-            writer.writerow([student, *map(_number, scores), _number(sum(scores)), _number(sum(max_total.values()))])
+    rows = []
+    for student, theirs in sorted(by_student.items()):
+        scores = [theirs[c].score if c in theirs else 0.0 for c in chapters]
+        rows.append([student, *map(_number, scores), _number(sum(scores)), _number(sum(max_total.values()))])
+    _write_csv(out_dir / "export.csv", ["student_id", *chapters, "total", "max_total"], rows)
+
+
+def _write_csv(path: Path, header: list[str], rows: Iterable[list[str]]) -> None:
+    """Write a CSV file whole (never half a file), each cell that a spreadsheet would run as a formula escaped."""
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(header)
+    writer.writerows([_cell(value) for value in row] for row in rows)
+    write_whole(path, text.getvalue().encode("utf-8", "backslashreplace"))
+
+
+def _cell(text: str) -> str:
+    """A CSV cell as written: with a quote first when it starts like a formula (``=``, ``+``, ``-``, ``@``, tab, CR)."""
+    return f"'{text}" if text.startswith(FORMULA_STARTS) else text
 
 
 def _number(x: float) -> str:
@@ -244,38 +389,106 @@ class _Limits:
     sandbox: bool
     max_processes: int
     memory_bytes: int
+    disk_bytes: int
+    # Whether the kernel's IPC folder is a private tmpfs (``autograder.sandbox.in_private_tmpfs``).
+    private_ipc: bool
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A submission that passed the precheck, with its scratch course ``NNNNN/`` and its key in OUT/.done/."""
+
+    index: int
+    sub: Submission
+    key: str
+
+    @property
+    def internal(self) -> str:
+        """The name it is graded under: the only one on a command line or in a scratch path."""
+        return f"s{self.index:05d}"
+
+    def folder(self, scratch: Path) -> Path:
+        """Its scratch course directory."""
+        return scratch / f"{self.index:05d}"
+
+    def stage(self, scratch: Path, data: bytes) -> None:
+        """Write the notebook's bytes where nbgrader looks for them: ``submitted/<internal>/<chapter>/``."""
+        folder = self.folder(scratch) / "submitted" / self.internal / self.sub.chapter
+        folder.mkdir(parents=True)
+        (folder / f"{self.sub.chapter}.ipynb").write_bytes(data)
 
 
 class _DoneStore:
-    """``OUT/.done/``: one JSON file per finished submission, keyed by the hashes of its notebook and its source."""
+    """``OUT/.done/``: one JSON file per finished submission, named by a hash of who, which chapter and which bytes.
 
-    def __init__(self, folder: Path, course: Course):
-        self.folder, self.course = folder, course
+    A record that is not a regular file, not JSON or not a grade is ignored (the submission is
+    graded again); a record that cannot be written is reported once and grading goes on.
+    """
 
-    def _key(self, sub: Submission) -> str:
+    def __init__(self, folder: Path, course: Course, report: Callable[[str], None]):
+        self.folder, self.course, self.report = folder, course, report
+        self.sources: dict[str, bytes] = {}
+        self.warned = False
+
+    def key(self, sub: Submission, data: bytes) -> str:
         """The identity of a grading: who, which chapter, which bytes were graded against which source."""
-        digest = hashlib.sha256(sub.notebook.read_bytes())
-        digest.update(self.course.source_notebook(sub.chapter).read_bytes())
-        return f"{sub.student_id}__{sub.chapter}__{digest.hexdigest()[:16]}"
+        if sub.chapter not in self.sources:
+            self.sources[sub.chapter] = self.course.source_notebook(sub.chapter).read_bytes()
+        digest = hashlib.sha256()
+        for part in (*map(os.fsencode, sub.names), data, self.sources[sub.chapter]):
+            digest.update(len(part).to_bytes(8, "big") + part)
+        return digest.hexdigest()[:32]
 
-    def load(self, sub: Submission) -> Grade | None:
+    def load(self, key: str, sub: Submission) -> Grade | None:
         """The grade of an earlier run of exactly this submission, or None."""
-        path = self.folder / f"{self._key(sub)}.json"
-        if not path.is_file():
-            return None
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            return Grade(**{**data, "cells": [tuple(c) for c in data["cells"]]})
-        except (ValueError, TypeError, KeyError):
+            record = json.loads(read_regular(self.folder / f"{key}.json", MAX_RECORD_BYTES))
+            return Grade(sub.student_id, sub.chapter, _score(record["score"]), _score(record["max_score"]),
+                         _text(record["status"]), _text(record["message"]), _cells(record["cells"]))
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):  # missing or spoiled: grade it again
             return None
 
-    def save(self, sub: Submission, grade: Grade) -> None:
-        """Record a finished grade (written to a temporary name, then renamed: never half a file)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f"{self._key(sub)}.json"
-        partial_path = path.with_suffix(".tmp")
-        partial_path.write_text(json.dumps(grade.__dict__), encoding="utf-8")
-        partial_path.replace(path)
+    def save(self, key: str, grade: Grade) -> None:
+        """Record a finished grade (written whole, through a temporary name)."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            write_whole(self.folder / f"{key}.json", json.dumps(grade.__dict__).encode())
+        except OSError as exc:
+            if not self.warned:
+                self.report(f"warning: cannot record grades in {self.folder} for resuming ({exc}); grading goes on")
+            self.warned = True
+
+
+def _score(value: object) -> float:
+    """A score read back from JSON: a finite number, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"not a score: {value!r:.50}")
+    return float(value)
+
+
+def _text(value: object) -> str:
+    """A text field read back from JSON: a string, else ValueError."""
+    if not isinstance(value, str):
+        raise ValueError(f"not a text: {value!r:.50}")
+    return value
+
+
+def _cells(value: object) -> list[tuple[str, float, float]]:
+    """Per-cell grades read back from JSON: ``[[grade_id, score, max_score], ...]``, else ValueError."""
+    if not isinstance(value, list) or not all(isinstance(c, list) and len(c) == 3 for c in value):
+        raise ValueError("not a list of cell grades")
+    return [(_text(name), _score(score), _score(max_score)) for name, score, max_score in value]
+
+
+def _worker_grade(result: object, sub: Submission, max_score: float) -> Grade:
+    """The grade in a worker's result.json; raises ValueError when it is malformed."""
+    if not isinstance(result, dict):
+        raise ValueError("the worker's result is not a JSON object")
+    status, message = _text(result.get("status")), _text(result.get("message", ""))
+    if status != "ok":
+        return Grade(sub.student_id, sub.chapter, 0, max_score, status, message)
+    return Grade(sub.student_id, sub.chapter, _score(result.get("score")), _score(result.get("max_score")), status,
+                 message, _cells(result.get("cells")))
 
 
 def _build_gradebook(course: Course, chapters: list[str], folder: Path) -> tuple[Path, dict[str, str]]:
@@ -303,54 +516,63 @@ class _Runner:
         # Each kernel gets its share of the cores instead of all of them.
         self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
 
-    def run(self, index: int, sub: Submission) -> tuple[tuple[Submission, Grade], float]:
-        """Grade ``sub`` in its own scratch course directory; return it with its grade, and the seconds it took."""
+    def run(self, job: _Job) -> tuple[_Job, Grade, float]:
+        """Grade ``job`` in its scratch course directory; return it with its grade, and the seconds it took."""
         start = time.monotonic()
         try:
-            return (sub, self._grade(index, sub)), time.monotonic() - start
+            grade = self._grade(job)
         except Exception as exc:  # whatever goes wrong with one submission must not stop the others
             message = f"{type(exc).__name__}: {exc}"
-            grade = Grade(sub.student_id, sub.chapter, 0, self.max_scores[sub.chapter], "error", message)
-            return (sub, grade), time.monotonic() - start
+            grade = Grade(job.sub.student_id, job.sub.chapter, 0, self.max_scores[job.sub.chapter], "error", message)
+        return job, grade, time.monotonic() - start
 
-    def _grade(self, index: int, sub: Submission) -> Grade:
-        """Grade ``sub``: copy it and the gradebook into a scratch course, run the worker, read its result."""
-        work = self.scratch / f"{index:05d}"
-        submitted = work / "submitted" / sub.student_id / sub.chapter
-        submitted.mkdir(parents=True)
-        shutil.copyfile(sub.notebook, submitted / sub.notebook.name)
+    def _grade(self, job: _Job) -> Grade:
+        """Check the staged notebook in a child, add the gradebook, run the worker, read its result."""
+        sub, work = job.sub, job.folder(self.scratch)
+        fail = Grade(sub.student_id, sub.chapter, 0, self.max_scores[sub.chapter], "invalid_notebook")
+        problem = check_notebook(work / "submitted" / job.internal / sub.chapter / f"{sub.chapter}.ipynb", self.env)
+        if problem:
+            fail.message = problem
+            return fail
+        fail.status = "error"
         shutil.copyfile(self.template_db, work / "gradebook.db")
         result_file, log_file = work / "result.json", work / "worker.log"
         command = [
             sys.executable, "-m", "autograder.worker", "--scratch", str(work), "--source", str(self.course.solutions),
-            "--chapter", sub.chapter, "--student", sub.student_id, "--cell-timeout", str(self.cell_timeout),
+            "--chapter", sub.chapter, "--student", job.internal, "--cell-timeout", str(self.cell_timeout),
             "--result", str(result_file),
         ]
         if not self.limits.sandbox:
             command.append("--no-sandbox")
         if not uses_gpu():
             command += ["--memory-bytes", str(self.limits.memory_bytes)]
+        if self.limits.private_ipc:
+            (work / "ipc").mkdir()
+            command = in_private_tmpfs(work / "ipc", IPC_BYTES, command)
         timed_out, returncode = self._run_worker(command, work, log_file)
-        fail = Grade(sub.student_id, sub.chapter, 0, self.max_scores[sub.chapter], "error")
         if timed_out:
             fail.status, fail.message = "timeout", f"grading took longer than {self.timeout:g} s and was stopped"
             return fail
-        if not result_file.is_file():
-            reason = last_relevant_line(log_file.read_text(errors="replace"))
-            fail.message = f"grader exited with status {returncode}: {reason}"
+        try:
+            result = json.loads(read_regular(result_file, MAX_RESULT_BYTES))
+        except FileNotFoundError:
+            log = read_regular(log_file, MAX_LOG_TAIL_BYTES, tail=True).decode("utf-8", "replace")
+            fail.message = f"grader exited with status {returncode}: {last_relevant_line(log)}"
             return fail
-        result = json.loads(result_file.read_text(encoding="utf-8"))
-        if result["status"] != "ok":
-            fail.status, fail.message = result["status"], result["message"]
-            return fail
-        self._keep_feedback(work, sub)
-        cells = [(name, score, max_score) for name, score, max_score in result["cells"]]
-        return Grade(sub.student_id, sub.chapter, result["score"], result["max_score"], "ok", result["message"], cells)
+        grade = _worker_grade(result, sub, self.max_scores[sub.chapter])
+        if grade.status == "ok":
+            try:
+                self._keep_feedback(work, job)
+            except RefusedFile as exc:
+                fail.message = f"cannot keep the feedback page: {exc}"
+                return fail
+        return grade
 
     def _run_worker(self, command: list[str], work: Path, log_file: Path) -> tuple[bool, int]:
         """Run the worker with the time limit; return whether it was stopped for taking too long, and its exit status."""
         with open(log_file, "wb") as log:
-            env = {**self.env, MARKER_VARIABLE: f"{os.getpid()}-{work.name}"}
+            env = {**self.env, MARKER_VARIABLE: f"{os.getpid()}-{work.name}",
+                   DISK_VARIABLE: str(self.limits.disk_bytes)}
             memory = self.limits.memory_bytes if uses_gpu() else None
             cgroup = Cgroup(f"autograder-{env[MARKER_VARIABLE]}", self.limits.max_processes, memory)
             proc = subprocess.Popen(
@@ -363,23 +585,25 @@ class _Runner:
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                _kill_all(proc.pid, env[MARKER_VARIABLE])
                 cgroup.kill_and_remove()
+                _kill_all(proc.pid, env[MARKER_VARIABLE])
             return timed_out, proc.wait()
 
-    def _keep_feedback(self, work: Path, sub: Submission) -> None:
-        """Copy the feedback HTML to ``OUT/feedback/<student_id>/<chapter>.html``."""
-        html = work / "feedback" / sub.student_id / sub.chapter / f"{sub.chapter}.html"
-        target = self.out_dir / "feedback" / sub.student_id / f"{sub.chapter}.html"
+    def _keep_feedback(self, work: Path, job: _Job) -> None:
+        """Copy the feedback HTML to ``OUT/feedback/<student_id>/<chapter>.html`` (a regular file, size-checked)."""
+        chapter = job.sub.chapter
+        html = work / "feedback" / job.internal / chapter / f"{chapter}.html"
+        target = self.out_dir / "feedback" / job.sub.student_id / f"{chapter}.html"
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(html, target)
+        copy_regular(html, target, MAX_FEEDBACK_BYTES)
 
 
 def _kill_all(pid: int, marker: str) -> None:
     """Kill the worker ``pid``, its descendants and any process that still carries its ``marker`` in the environment.
 
-    A Jupyter kernel starts in a session of its own, and what it starts may outlive it, so
-    neither the process group nor the session of the worker covers them all.
+    The submission's cgroup covers every process it started, wherever the machine has one; this
+    covers the rest: a Jupyter kernel starts in a session of its own, and what it starts may
+    outlive it, so neither the process group nor the session of the worker covers them all.
     """
     try:
         root = psutil.Process(pid)
@@ -412,7 +636,8 @@ class _Progress:
             width = len(str(self.total))
             line = f"[{self.count:{width}d}/{self.total}] {grade.student_id} {grade.chapter}: {grade.status}"
             line += f" {_number(grade.score)}/{_number(grade.max_score)}" if grade.status == "ok" else f" ({grade.message})"
-            self.report(line + (f" in {seconds:.1f} s" if seconds else "") + (" (from an earlier run)" if resumed else ""))
+            line += (f" in {seconds:.1f} s" if seconds else "") + (" (from an earlier run)" if resumed else "")
+            self.report(shown(line))
 
     def summary(self, grades: Sequence[Grade], out_dir: Path) -> None:
         """Report the counts per status and where the results are."""

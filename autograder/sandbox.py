@@ -1,19 +1,24 @@
-"""The sandbox of a grading kernel: bubblewrap for the file system and network, a cgroup for processes and memory.
+"""The sandbox of a grading kernel: bubblewrap for the file system and network, a cgroup for processes, CPU and memory.
 
 A submission's kernel runs as ``bwrap ... python -m autograder.kernel -f CONNECTION_FILE``:
 
 - file system: read-only binds of the system (``/usr``, ``/lib*``, a few ``/etc`` files), the
-  Python environment and the installed ``course_lib`` and ``autograder`` packages, nothing else;
-  writable: the notebook's own folder (a private copy in the scratch course) and the folder of
-  the kernel's IPC sockets; ``/tmp`` is an empty private tmpfs. solutions/, the gradebook, other
-  submissions and the grader's outputs are not in the sandbox at all.
+  Python environment and the installed ``course_lib`` and ``autograder`` packages, nothing else.
+  The working folder (the notebook's folder, as nbgrader expects) and ``/tmp`` are private
+  tmpfs of ``--size`` bytes each: nothing the kernel writes there reaches the host's disk, and
+  nothing is ever copied out. The one folder bound writable is the one of the kernel's IPC
+  sockets, which the grader mounts as a small tmpfs of its own (``in_private_tmpfs``).
+  solutions/, the gradebook, other submissions and the grader's outputs are not in the sandbox.
 - network: ``--unshare-net`` (only the sandbox's own loopback, which gloo ranks use);
 - processes: ``--unshare-pid`` and ``--die-with-parent``: when the grader kills bwrap, every
   process of the submission dies with it; environment cleared (``NBGRADER_EXECUTION`` never
   reaches the kernel);
-- limits: a pids cgroup (process and thread count) and, where a GPU is used, a memory cgroup;
-  on a CPU the kernel also sets ``RLIMIT_AS`` on itself (see ``autograder.kernel``).
-  ``RLIMIT_NPROC`` is no help here: it is not enforced for root, nor across a user namespace.
+- limits: a cgroup per submission with a pids limit (process and thread count), a CPU weight
+  (the submission's processes share the CPU as one, however many they start or whichever
+  session they move to) and, where a GPU is used, a memory limit; on a CPU the kernel also sets
+  ``RLIMIT_AS`` on itself (see ``autograder.kernel``). ``RLIMIT_NPROC`` is no help here: it is
+  not enforced for root, nor across a user namespace. ``unenforced_limits`` says which of these
+  a machine cannot enforce.
 """
 
 from __future__ import annotations
@@ -22,15 +27,26 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 KERNEL_NAME = "autograder-sandbox"
 # The kernel and what it starts: 4 gloo ranks with their threads fit easily; a fork bomb does not.
 DEFAULT_MAX_PROCESSES = 512
 DEFAULT_MEMORY_BYTES = 8 * 2**30
+# The size of the kernel's /tmp and of its working folder, each (tmpfs: it is memory when used).
+DEFAULT_DISK_BYTES = 2**30
+# Set by the grader in the worker's environment (the worker builds the kernel command): overrides DEFAULT_DISK_BYTES.
+DISK_VARIABLE = "AUTOGRADER_DISK_BYTES"
+# The tmpfs of the kernel's IPC folder: sockets, the connection file and small records only.
+IPC_BYTES = 64 * 2**20
+# Every submission's cgroup gets the default weight: submissions share the CPU equally, each as one.
+CPU_WEIGHT_V2, CPU_SHARES_V1 = 100, 1024
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC_FILES = ("ld.so.cache", "passwd", "group", "nsswitch.conf", "hosts", "localtime", "fonts", "ssl", "alternatives")
@@ -54,6 +70,71 @@ def check_available() -> None:
             "bubblewrap (bwrap) is not installed, so submissions cannot be sandboxed. Install it "
             "(Debian/Ubuntu: apt-get install bubblewrap) or, only for trusted notebooks, pass --no-sandbox."
         )
+
+
+@lru_cache(maxsize=1)
+def bwrap_supports_size() -> bool:
+    """Whether this bwrap has ``--size`` (a size limit for ``--tmpfs``)."""
+    path = bwrap_path()
+    if path is None:
+        return False
+    result = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=30)
+    return "--size" in result.stdout + result.stderr
+
+
+def disk_bytes() -> int:
+    """The size of the kernel's /tmp and of its working folder, each: ``DISK_VARIABLE`` when set, else the default."""
+    return int(os.environ.get(DISK_VARIABLE) or DEFAULT_DISK_BYTES)
+
+
+def in_private_tmpfs(folder: Path, size: int, command: list[str]) -> list[str]:
+    """``command`` run in a mount namespace of its own, with a fresh tmpfs of ``size`` bytes on ``folder``.
+
+    The tmpfs is seen by the command and what it starts, never by the host's disk, and it is
+    gone when they have all exited.
+    """
+    script = 'mount -t tmpfs -o "size=$1,mode=0700,nosuid,nodev" tmpfs "$2" && shift 2 && exec "$@"'
+    unshare = shutil.which("unshare") or "unshare"
+    return [unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script, "sh", str(size), str(folder),
+            *command]
+
+
+@lru_cache(maxsize=1)
+def private_tmpfs_available() -> bool:
+    """Whether ``in_private_tmpfs`` works here (util-linux ``unshare`` and the right to mount)."""
+    if shutil.which("unshare") is None:
+        return False
+    with tempfile.TemporaryDirectory(prefix="autograder-probe-") as folder:
+        try:
+            probe = subprocess.run(in_private_tmpfs(Path(folder), 2**20, ["true"]), capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return probe.returncode == 0
+
+
+def unenforced_limits(sandboxed: bool, max_processes: int, memory_bytes: int) -> list[str]:
+    """The limits this machine cannot enforce, a sentence each (none when every limit holds)."""
+    missing = []
+    probe = Cgroup(f"autograder-probe-{os.getpid()}", max_processes, memory_bytes if uses_gpu() else None)
+    try:
+        if not probe.limits_processes:
+            missing.append("no writable pids cgroup controller (cgroup v1 pids, or v2 with pids delegated): the "
+                           "process limit (--max-processes) does not hold, so a fork bomb can exhaust the machine")
+        if not probe.limits_cpu:
+            missing.append("no writable cpu cgroup controller (cgroup v1 cpu, or v2 with cpu delegated): a "
+                           "submission's processes are not held to one CPU share, so a CPU hog slows its neighbours")
+        if uses_gpu() and not probe.limits_memory:
+            missing.append("no writable memory cgroup controller on this GPU machine: the memory limit (--memory-gb) "
+                           "does not hold")
+    finally:
+        probe.kill_and_remove()
+    if sandboxed and not bwrap_supports_size():
+        missing.append("this bubblewrap has no --size option: the kernel's /tmp and working folder are not "
+                       "size-limited (--disk-gb does not hold; each may grow to half the memory)")
+    if sandboxed and not private_tmpfs_available():
+        missing.append("cannot mount a private tmpfs for the kernel's IPC folder (needs util-linux unshare and the "
+                       "right to mount): that folder is on the scratch disk, and a submission can fill it")
+    return missing
 
 
 def uses_gpu() -> bool:
@@ -85,8 +166,10 @@ class KernelSandbox:
         kernel = [sys.executable, "-m", "autograder.kernel", "-f", "{connection_file}"]
         if not self.sandboxed:
             return kernel
+        size = ["--size", str(disk_bytes())] if bwrap_supports_size() else []
         args = [bwrap_path() or "bwrap", "--die-with-parent", "--unshare-net", "--unshare-pid", "--unshare-ipc",
-                "--unshare-uts", "--new-session", "--clearenv", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+                "--unshare-uts", "--new-session", "--clearenv", "--proc", "/proc", "--dev", "/dev",
+                *size, "--tmpfs", "/tmp"]
         for folder in _SYSTEM_DIRS:
             args += ["--ro-bind-try", folder, folder]
         for name in _ETC_FILES:
@@ -96,8 +179,8 @@ class KernelSandbox:
         if uses_gpu():
             for device in (*_NVIDIA_DEVICES, *sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))):
                 args += ["--dev-bind-try", device, device]
-        for folder in (self.notebook_dir, self.ipc_dir):
-            args += ["--bind", str(folder), str(folder)]
+        # The working folder is an empty tmpfs over the notebook's folder: the kernel never sees or writes the host's.
+        args += [*size, "--tmpfs", str(self.notebook_dir), "--bind", str(self.ipc_dir), str(self.ipc_dir)]
         for key, value in sorted(self.env.items()):
             args += ["--setenv", key, value]
         return [*args, "--chdir", str(self.notebook_dir), "--", *kernel]
@@ -123,34 +206,60 @@ def kernel_environment(base: dict[str, str]) -> dict[str, str]:
 
 
 class Cgroup:
-    """A cgroup (v2, or v1 pids/memory controllers) that limits a submission's processes and, optionally, memory."""
+    """A cgroup (v2, or the v1 pids, cpu and memory controllers) that holds a submission's processes.
+
+    It limits their number, gives them one CPU share together (a child that starts a session of
+    its own stays in the cgroup) and, optionally, limits their memory; killing it kills them all.
+    """
 
     def __init__(self, name: str, max_processes: int, memory_bytes: int | None):
         self.dirs: list[Path] = []
-        unified = CGROUP_ROOT / "cgroup.controllers"
-        if unified.is_file():
-            self._make(CGROUP_ROOT / _own_v2_path() / name, {"pids.max": max_processes, "memory.max": memory_bytes})
+        if (CGROUP_ROOT / "cgroup.controllers").is_file():
+            parent = CGROUP_ROOT / _own_v2_path()
+            _delegate(parent, ["pids", "cpu"] + ["memory"] * bool(memory_bytes))
+            self._make(parent / name,
+                       {"pids.max": max_processes, "cpu.weight": CPU_WEIGHT_V2, "memory.max": memory_bytes})
         else:
             self._make(CGROUP_ROOT / "pids" / _own_v1_path("pids") / name, {"pids.max": max_processes})
+            self._make(CGROUP_ROOT / "cpu" / _own_v1_path("cpu") / name, {"cpu.shares": CPU_SHARES_V1})
             if memory_bytes:
                 self._make(CGROUP_ROOT / "memory" / _own_v1_path("memory") / name,
                            {"memory.limit_in_bytes": memory_bytes})
 
     def _make(self, folder: Path, limits: dict[str, int | None]) -> None:
-        """Create ``folder`` and write its limits; silently skip what the machine does not allow."""
+        """Create ``folder`` in the cgroup above it and write its limits; silently skip what the machine refuses."""
+        if not (folder.parent / "cgroup.procs").is_file():  # not a cgroup hierarchy: create nothing there
+            return
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(exist_ok=True)
         except OSError:
             return
         self.dirs.append(folder)
         for key, value in limits.items():
             if value is not None and (folder / key).exists():
-                (folder / key).write_text(str(value))
+                try:
+                    (folder / key).write_text(str(value))
+                except OSError:
+                    continue
+
+    def _has(self, *files: str) -> bool:
+        """Whether one of the cgroup's folders has one of these control files (its controller is in place)."""
+        return any((d / f).exists() for d in self.dirs for f in files)
 
     @property
     def limits_processes(self) -> bool:
         """Whether a pids limit is in place."""
-        return any((d / "pids.max").exists() for d in self.dirs)
+        return self._has("pids.max")
+
+    @property
+    def limits_cpu(self) -> bool:
+        """Whether the processes share the CPU as one (a cpu controller is in place)."""
+        return self._has("cpu.weight", "cpu.shares")
+
+    @property
+    def limits_memory(self) -> bool:
+        """Whether a memory limit is in place."""
+        return self._has("memory.max", "memory.limit_in_bytes")
 
     def add(self, pid: int) -> None:
         """Move process ``pid`` (and so what it starts later) into the cgroup."""
@@ -171,7 +280,13 @@ class Cgroup:
         return found
 
     def kill_and_remove(self) -> None:
-        """Kill every process in the cgroup, then remove it."""
+        """Kill every process in the cgroup (at once where cgroup v2 has ``cgroup.kill``), then remove it."""
+        for folder in self.dirs:
+            if (folder / "cgroup.kill").exists():
+                try:
+                    (folder / "cgroup.kill").write_text("1")
+                except OSError:
+                    continue
         for _ in range(50):
             pids = self.pids()
             if not pids:
@@ -187,6 +302,15 @@ class Cgroup:
                 folder.rmdir()
             except OSError:
                 continue
+
+
+def _delegate(parent: Path, controllers: list[str]) -> None:
+    """Enable ``controllers`` for the children of the cgroup v2 ``parent``, where the machine lets this process."""
+    for controller in controllers:
+        try:
+            (parent / "cgroup.subtree_control").write_text(f"+{controller}")
+        except OSError:
+            continue
 
 
 def _own_v2_path() -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from autograder.cli import main
-from autograder.sandbox import KernelSandbox
+from autograder.sandbox import KernelSandbox, bwrap_supports_size
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,11 @@ def test_kernel_command_binds_only_what_the_kernel_needs(tmp_path: Path) -> None
     for flag in ("--unshare-net", "--unshare-pid", "--die-with-parent", "--clearenv"):
         assert flag in argv
     writable = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
-    assert writable == [str(notebook_dir), str(ipc_dir)]
+    assert writable == [str(ipc_dir)], "only the IPC folder is bound writable: nothing else reaches the host's disk"
+    tmpfs = [argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"]
+    assert tmpfs == ["/tmp", str(notebook_dir)] and argv[argv.index("--chdir") + 1] == str(notebook_dir)
+    if bwrap_supports_size():
+        assert all(argv[i - 2] == "--size" for i, a in enumerate(argv) if a == "--tmpfs"), "each tmpfs has a size"
     bound = [argv[i + 1] for i, a in enumerate(argv) if a in ("--ro-bind", "--ro-bind-try", "--bind")]
     assert "/" not in bound and str(ROOT) not in bound
     assert not any(Path(b).is_relative_to(ROOT / "solutions") or Path(b) == ROOT / "notebooks" for b in bound)
