@@ -19,7 +19,9 @@ from __future__ import annotations
 import builtins
 import gc
 import importlib
+import inspect
 import io
+import os
 import pickle
 import queue
 import socket
@@ -282,16 +284,30 @@ def _resolve(qualname: str) -> Any:
 
 
 def _codes_of(obj: Any) -> list[types.CodeType]:
-    """The code objects a reference runs: a function's, or every method's of a class."""
-    obj = getattr(obj, "__wrapped__", obj)
-    if isinstance(obj, types.FunctionType):
-        return [obj.__code__]
-    codes = []
+    """The code objects a reference runs: a function's, or every method's of a class, written in course_lib.
+
+    Decorators are looked through (``__wrapped__``). Only code defined by the reference itself is
+    guarded: a decorator's wrapper (contextlib's, torch's no_grad) or a method the class borrows from
+    another course_lib class (``forward = CausalSelfAttention.forward``) is shared with code that
+    is no answer.
+    """
+    import course_lib
+
+    home = os.path.dirname(os.path.realpath(course_lib.__file__)) + os.sep
+    own = getattr(inspect.unwrap(obj) if callable(obj) else obj, "__qualname__", "")
+    candidates = [obj]
     if isinstance(obj, type):
         for value in vars(obj).values():
-            for candidate in (value, getattr(value, "__func__", None), getattr(value, "fget", None)):
-                if isinstance(candidate, types.FunctionType):
-                    codes.append(candidate.__code__)
+            candidates += [value, getattr(value, "__func__", None), getattr(value, "fget", None)]
+    codes = []
+    for candidate in candidates:
+        if candidate is None:
+            continue
+        function = inspect.unwrap(candidate) if callable(candidate) else candidate
+        code = getattr(function, "__code__", None)
+        if isinstance(code, types.CodeType) and os.path.realpath(code.co_filename).startswith(home) and \
+                (code.co_qualname == own or code.co_qualname.startswith(own + ".")):
+            codes.append(code)
     return codes
 
 

@@ -281,7 +281,17 @@ def launch(
     Raises ``RankError`` (naming the rank(s), with the remote traceback) as soon as a rank
     raises, after stopping the others, and ``TimeoutError`` naming the ranks still running
     when the run takes longer than ``timeout`` seconds. Ranks never outlive the call.
+    When the grader's tester calls it, the ranks start in the student's kernel, where the
+    student's functions are, and only their results come back (``testing.student_side``).
     """
+    from course_lib.testing import student_side
+
+    return student_side(_launch_here)(fn, world_size, *args, backend=backend, timeout=timeout, **kwargs)
+
+
+def _launch_here(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None, timeout: float,
+                 **kwargs: Any) -> list[Any]:
+    """``launch``, in this process."""
     if world_size < 1:
         raise ValueError(f"launch: world_size must be at least 1, got {world_size}")
     backend = backend or backend_for(world_size)
