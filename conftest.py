@@ -1,4 +1,5 @@
-"""Test-wide set-up: the `gpu` marker, and the pinned outputs that nbval checks in solution notebooks.
+"""Test-wide set-up: the `gpu` marker, the pinned outputs that nbval checks in solution notebooks, and a
+closing line when the grader's security suite could not run (no bubblewrap).
 
 Solution notebooks are committed without outputs, so a cell marked `# NBVAL_CHECK_OUTPUT` would
 have nothing to be compared with. Its expected output lives instead in
@@ -43,3 +44,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say plainly, at the end, when the sandboxed grading tests were skipped and how to run them."""
+    import shutil
+
+    ran_grading = any("test_adversarial" in str(r.nodeid) or "test_grading_host" in str(r.nodeid)
+                      for reports in terminalreporter.stats.values() for r in reports if hasattr(r, "nodeid"))
+    if ran_grading and shutil.which("bwrap") is None:
+        terminalreporter.write_sep("!", "security suite skipped", yellow=True)
+        terminalreporter.write_line(
+            "tests/test_adversarial.py and tests/test_grading_host.py did not run: bubblewrap (bwrap) is not "
+            "installed, so hostile submissions were not graded. Install it with `make sandbox-deps` (Debian/Ubuntu: "
+            "apt-get install bubblewrap) and run `make test` again.")

@@ -5,7 +5,7 @@ Modules: ``config`` (the shared nbgrader settings), ``course`` (chapters and gra
 feedback), ``intake`` (what the grader reads of a submission: folder names, files opened without
 following links, notebooks checked in a child), ``worker`` (one submission, in a child process),
 ``sandbox`` (bubblewrap and cgroup limits of a submission's kernel), ``kernel`` (the grading
-kernel; the old in-kernel judge, for chapters still marked so), ``tester`` (the trusted process
+kernel, with its memory limit), ``tester`` (the trusted process
 that runs the test cells), ``agent`` (the kernel's side of a test: answers the tester's calls),
 ``wire`` (the channel's frames and its safe loader of plain data), ``execute`` (nbgrader's
 Execute step, with test cells judged by the tester), ``bench`` (grading throughput),

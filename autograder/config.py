@@ -27,6 +27,9 @@ from traitlets.config import Config
 SOURCE_DIRECTORY = "solutions"
 RELEASE_DIRECTORY = "notebooks"
 DEFAULT_CELL_TIMEOUT = 120
+# The grading run's secret, from which hidden tests draw their inputs (``course_lib.testing.hidden_seed``):
+# set for the workers, handed by each to its tester alone.
+SECRET_VARIABLE = "AUTOGRADER_SECRET"
 DEFAULT_SUBMISSION_TIMEOUT = 600
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 

@@ -8,9 +8,6 @@ those calls (as plain text), what the test printed, and the tester's error when 
 nbgrader scores the cell from those outputs, so the score is the tester's verdict and nothing the
 kernel sends can change it.
 
-Chapters still marked ``"autograder": {"judge": "in-kernel"}`` use ``JudgedExecute`` instead: the
-old judge inside the kernel (``autograder.kernel``), until their tests move to the tester.
-
 Outputs are capped as they arrive (``max_output_bytes`` per notebook): a cell that prints
 100 MB does not fill the grader's memory or the feedback.
 """
@@ -34,9 +31,8 @@ from nbgrader.preprocessors import Execute
 from traitlets import Dict, Float, Integer, Unicode
 
 from .course import is_test_cell
-from .kernel import TEST_MARKER
 
-__all__ = ["CappedExecute", "JudgedExecute", "TesterProcess", "TrustedExecute"]
+__all__ = ["TesterProcess", "TrustedExecute"]
 
 TRUNCATED = "\n[output truncated by the grader: the notebook printed more than {} MB]\n"
 # A line of output that the grader adds before the student's own printing in a test cell.
@@ -91,25 +87,7 @@ class TesterProcess:
         self.proc.wait()
 
 
-class CappedExecute(Execute):
-    """Execute, with a notebook's outputs capped at ``max_output_bytes``."""
-
-    max_output_bytes = Integer(8 * 2**20, help="outputs kept per notebook, in bytes").tag(config=True)
-
-    def output(self, outs: list[NotebookNode], msg: dict[str, Any], display_id: str | None,
-               cell_index: int) -> NotebookNode | None:
-        """Keep an output while the notebook's outputs stay under ``max_output_bytes``; then say they were cut."""
-        size = len(json.dumps(msg.get("content", {}), default=str))
-        self._output_bytes = getattr(self, "_output_bytes", 0) + size
-        if self._output_bytes <= self.max_output_bytes or msg["msg_type"] == "error":
-            return super().output(outs, msg, display_id, cell_index)
-        if not getattr(self, "_truncated", False):
-            self._truncated = True
-            outs.append(new_output("stream", name="stdout", text=TRUNCATED.format(self.max_output_bytes // 2**20)))
-        return None
-
-
-class TrustedExecute(CappedExecute):
+class TrustedExecute(Execute):
     """Execute, with test cells judged by the tester and outputs capped."""
 
     source_notebook = Unicode("", help="the chapter's source notebook (its test cells are the ones run)").tag(config=True)
@@ -117,6 +95,7 @@ class TrustedExecute(CappedExecute):
     tester_env = Dict({}, help="environment of the tester process").tag(config=True)
     tester_timeout = Float(0.0, help="seconds a test cell may take in the tester (default: the cell timeout)").tag(
         config=True)
+    max_output_bytes = Integer(8 * 2**20, help="outputs kept per notebook, in bytes").tag(config=True)
 
     def preprocess(self, nb: NotebookNode, resources: Any = None, km: Any = None) -> Any:
         """Start the tester next to the kernel, run the notebook, end the tester."""
@@ -149,6 +128,18 @@ class TrustedExecute(CappedExecute):
     # nbconvert's preprocess_cell calls execute_cell, which nbclient binds to its own async_execute_cell.
     execute_cell = run_sync(async_execute_cell)
 
+    def output(self, outs: list[NotebookNode], msg: dict[str, Any], display_id: str | None,
+               cell_index: int) -> NotebookNode | None:
+        """Keep an output while the notebook's outputs stay under ``max_output_bytes``; then say they were cut."""
+        size = len(json.dumps(msg.get("content", {}), default=str))
+        self._output_bytes = getattr(self, "_output_bytes", 0) + size
+        if self._output_bytes <= self.max_output_bytes or msg["msg_type"] == "error":
+            return super().output(outs, msg, display_id, cell_index)
+        if not getattr(self, "_truncated", False):
+            self._truncated = True
+            outs.append(new_output("stream", name="stdout", text=TRUNCATED.format(self.max_output_bytes // 2**20)))
+        return None
+
 def _judge(cell: NotebookNode, verdict: dict[str, Any]) -> None:
     """Give a test cell its outputs: the student's printing as text, the test's printing, the tester's error."""
     printed = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.get("name") != "stderr")
@@ -164,56 +155,3 @@ def _judge(cell: NotebookNode, verdict: dict[str, Any]) -> None:
         return
     name, value = (list(verdict.get("error") or []) + ["TestFailed", "the test failed"])[:2]
     cell.outputs.append(new_output("error", ename=str(name), evalue=str(value), traceback=[f"{name}: {value}"]))
-
-
-class JudgedExecute(CappedExecute):
-    """(Chapters marked in-kernel only.) Execute, with test cells judged by the kernel's judge and outputs capped."""
-
-    judge_name = Unicode("", help="the judge's name in the kernel's builtins ('' runs cells as they are)").tag(config=True)
-    verdict_file = Unicode("", help="file the judge appends its verdicts to").tag(config=True)
-
-    async def async_execute_cell(self, cell: NotebookNode, cell_index: int, execution_count: int | None = None,
-                                 store_history: bool = True) -> NotebookNode:
-        """Run a cell; a test cell runs through the judge and is failed unless its verdict says passed."""
-        if not (self.judge_name and is_test_cell(cell)):
-            return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
-        nonce, source = secrets.token_hex(16), cell.source
-        cell.source = f"{TEST_MARKER}{nonce}\n{source}"
-        try:
-            return await super().async_execute_cell(cell, cell_index, execution_count, store_history)
-        finally:
-            cell.source = source
-            self._apply_verdict(cell, nonce)
-
-    # nbconvert's preprocess_cell calls execute_cell, which nbclient binds to its own async_execute_cell.
-    execute_cell = run_sync(async_execute_cell)
-
-    def _apply_verdict(self, cell: NotebookNode, nonce: str) -> None:
-        """Add an error output to ``cell`` unless the judge recorded exactly one passing verdict for ``nonce``."""
-        verdicts = [v for v in _read_verdicts(Path(self.verdict_file)) if v.get("nonce") == nonce]
-        if len(verdicts) == 1 and verdicts[0].get("passed") is True:
-            return
-        if any(o.output_type == "error" for o in cell.outputs):
-            return
-        if not verdicts:
-            reason = "the test did not finish (no verdict from the judge)"
-        elif len(verdicts) > 1:
-            reason = "more than one verdict for this test: the notebook wrote to the judge's record"
-        else:
-            reason = str(verdicts[0].get("message") or "the test failed")
-        name, sep, value = reason.partition(": ")
-        if not sep or " " in name:
-            name, value = "TestFailed", reason
-        cell.outputs.append(new_output("error", ename=name, evalue=value, traceback=[f"{name}: {value}"]))
-
-def _read_verdicts(path: Path) -> list[dict]:
-    """The verdict lines of the judge's file (unreadable lines are skipped)."""
-    if not path.is_file():
-        return []
-    verdicts = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            verdicts.append(json.loads(line))
-        except ValueError:
-            continue
-    return verdicts

@@ -5,8 +5,8 @@ Layout read: ``SUBMISSIONS/<student_id>/<chapter>/<chapter>.ipynb``. Layout writ
 per chapter), ``OUT/feedback/<student_id>/<chapter>.html`` and ``OUT/.done/`` (finished grades,
 for resuming).
 
-Each kernel runs in the sandbox of ``autograder.sandbox`` and its test cells are judged by
-``autograder.kernel`` / ``autograder.execute``.
+Each kernel runs in the sandbox of ``autograder.sandbox``; its test cells are judged by the tester
+(``autograder.tester``, through ``autograder.execute``).
 
 Nothing a submission holds is trusted (``autograder.intake``). Its folders and notebook are
 opened without following a link; a link, or anything but a plain folder or file, gets a row
@@ -34,6 +34,7 @@ import io
 import json
 import math
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -50,7 +51,7 @@ from pathlib import Path
 
 import psutil
 
-from .config import DEFAULT_CELL_TIMEOUT, DEFAULT_SUBMISSION_TIMEOUT, child_environment
+from .config import DEFAULT_CELL_TIMEOUT, DEFAULT_SUBMISSION_TIMEOUT, SECRET_VARIABLE, child_environment
 from .course import Course, graded_points, read_notebook
 from .intake import (
     MAX_NOTEBOOK_BYTES, RefusedFile, TooLarge, check_notebook, copy_regular, id_problem, open_folder, read_regular,
@@ -515,6 +516,8 @@ class _Runner:
         self.env = child_environment(course.root)
         # Each kernel gets its share of the cores instead of all of them.
         self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+        # Drawn once per run: the hidden tests' inputs (course_lib.testing.hidden_seed); only the testers see it.
+        self.env[SECRET_VARIABLE] = str(secrets.randbits(31))
 
     def run(self, job: _Job) -> tuple[_Job, Grade, float]:
         """Grade ``job`` in its scratch course directory; return it with its grade, and the seconds it took."""

@@ -27,6 +27,7 @@ import builtins
 import contextlib
 import io
 import json
+import os
 import pickle
 import queue
 import socket
@@ -42,6 +43,7 @@ import cloudpickle
 
 from . import wire
 from .agent import REFERENCE_MESSAGE
+from .config import SECRET_VARIABLE
 from .course import is_test_cell, read_notebook
 
 __all__ = ["RemoteObject", "Tester", "main"]
@@ -61,6 +63,8 @@ class RemoteObject:
         object.__setattr__(self, "_type_name", type_name)
 
     def _op(self, op: str, *args: Any, back: str = "", **kwargs: Any) -> Any:
+        if os.getpid() != self._channel.pid:  # a rank forked from the tester: the channel is not its to use
+            raise RuntimeError(f"the student's {self.__name__} cannot be used in the reference run's ranks")
         return self._channel.request(self._id, op, args, kwargs, back)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -127,6 +131,7 @@ class Channel:
 
     def __init__(self, sock: socket.socket, deadline: float, tester: Tester):
         self.sock, self.deadline, self.tester = sock, deadline, tester
+        self.pid = os.getpid()
         self.lock = threading.Lock()
         self.next_id = 1
         self.answers: dict[int, queue.Queue] = {}
@@ -236,6 +241,22 @@ class Channel:
             raise wire.WireError("a malformed answer to the names request")
         return {k: v for k, v in message[2].items() if type(k) is str and k in names}
 
+    def reference_launch(self, fn: Any, world_size: int, args: tuple, kwargs: dict) -> list[Any]:
+        """``fn`` in ranks forked from the tester, with the course's reference in place of each student name."""
+        from course_lib import dist
+
+        references = self.tester.reference_objects()
+        namespace = self.tester.namespace
+        saved = {name: namespace[name] for name in references if name in namespace}
+        namespace.update(references)
+        try:
+            kwargs = dict(kwargs)
+            backend, timeout = kwargs.pop("backend", None), kwargs.pop("timeout", 60.0)
+            return dist._launch_here(fn, world_size, *_substitute(args, references), backend=backend, timeout=timeout,
+                                     **{k: _substitute(v, references) for k, v in kwargs.items()})
+        finally:
+            namespace.update(saved)
+
     def _serve_callbacks(self) -> None:
         """Run the kernel's calls of objects kept here (by_reference), one at a time."""
         while True:
@@ -272,6 +293,17 @@ class _Pickler(cloudpickle.CloudPickler):
                 and not obj.is_meta:
             return wire.view_as_dtype, (obj.view(torch.uint8), str(obj.dtype).removeprefix("torch."))
         return super().reducer_override(obj)
+
+
+def _substitute(value: Any, references: dict[str, Any]) -> Any:
+    """``value`` with each proxy of a student name replaced by that name's reference (in tuples and lists too)."""
+    if type(value) is RemoteObject and isinstance(value._id, str):
+        if value._id not in references:
+            raise RuntimeError(f"no course_lib reference is named {value._id}: the reference run cannot stand in for it")
+        return references[value._id]
+    if type(value) in (tuple, list):
+        return type(value)(_substitute(v, references) for v in value)
+    return value
 
 
 class ChannelClosed(RuntimeError):
@@ -403,8 +435,8 @@ def _copy_tensor(target: Any, data: Any) -> None:
 class Tester:
     """The test namespace of one submission and the runner of its test cells."""
 
-    def __init__(self, source_notebook: Path, socket_path: Path, cell_timeout: float):
-        self.cell_timeout = cell_timeout
+    def __init__(self, source_notebook: Path, socket_path: Path, cell_timeout: float, secret: int | None = None):
+        self.cell_timeout, self.secret = cell_timeout, secret
         nb = read_notebook(source_notebook)
         self.tests: dict[str, str] = {}
         self.exercise_names: dict[str, list[str]] = {}  # grade_id of a test -> the student names its exercise defines
@@ -447,6 +479,19 @@ class Tester:
                         found.append(f"{obj.__module__}:{getattr(obj, '__qualname__', name)}")
         return sorted(set(found))
 
+    def reference_objects(self) -> dict[str, Any]:
+        """Each student name that a course_lib module imported by the notebook also defines, with that object."""
+        import types
+
+        found = {}
+        for value in list(self.namespace.values()):
+            if isinstance(value, types.ModuleType) and value.__name__.startswith("course_lib"):
+                for name in self.student_names:
+                    obj = getattr(value, name, None)
+                    if obj is not None and getattr(obj, "__module__", "").startswith("course_lib"):
+                        found.setdefault(name, obj)
+        return found
+
     def run(self, grade_id: str, token: str) -> dict[str, Any]:
         """Run one test cell against the kernel that connects with ``token``; return its verdict."""
         deadline = time.monotonic() + self.cell_timeout
@@ -464,7 +509,8 @@ class Tester:
                     if type(value) is RemoteObject else value
             from course_lib import testing
 
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), testing.sending_to(channel):
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), testing.sending_to(channel), \
+                    testing.secret_seed(self.secret) if self.secret is not None else contextlib.nullcontext():
                 exec(compile(self.tests[grade_id], f"<test {grade_id}>", "exec"), self.namespace)
             verdict["passed"] = True
         except BaseException as exc:  # every way of failing is the verdict of this cell, never the tester's end
@@ -528,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     reply = sys.stdout
     sys.stdout = sys.stderr  # whatever else prints must not mix with the verdicts
-    tester = Tester(args.source, args.socket, args.cell_timeout)
+    secret = os.environ.pop(SECRET_VARIABLE, None)
+    tester = Tester(args.source, args.socket, args.cell_timeout, int(secret) if secret else None)
     print(json.dumps({"ready": True}), file=reply, flush=True)
     for line in sys.stdin:
         request = json.loads(line)

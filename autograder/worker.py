@@ -11,7 +11,6 @@ through a kernelspec written here, in bubblewrap (``autograder.sandbox``); nbgra
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import secrets
@@ -19,62 +18,11 @@ from pathlib import Path
 
 from traitlets.config import Config
 
-from .config import nbgrader_config
+from .config import SECRET_VARIABLE, nbgrader_config
 from .course import is_test_cell, read_notebook
 from .kernel import CONFIG_VARIABLE
 from .logs import failure_reason
 from .sandbox import KERNEL_NAME, KernelSandbox, kernel_environment
-
-
-def trusted_imports(source_notebook: Path) -> list[str]:
-    """The top-level import statements of the instructor's cells (every cell but the solution cells)."""
-    statements = []
-    for cell in read_notebook(source_notebook).cells:
-        if cell.cell_type != "code" or cell.metadata.get("nbgrader", {}).get("solution"):
-            continue
-        try:
-            tree = ast.parse(cell.source)
-        except SyntaxError:
-            continue
-        statements += [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
-    return list(dict.fromkeys(statements))
-
-
-def judged_config(scratch: Path, source_dir: Path, chapter: str, student: str, *, sandboxed: bool,
-                  memory_bytes: int | None) -> Config:
-    """(Chapters marked in-kernel only.) Settings that run the kernel in the sandbox with the old in-kernel judge."""
-    from nbgrader.converters import Autograde
-    from nbgrader.preprocessors import Execute
-
-    from .execute import JudgedExecute
-
-    ipc_dir, jupyter_dir = scratch / "ipc", scratch / "jupyter"
-    ipc_dir.mkdir(exist_ok=True)
-    judge_name, verdicts = f"__judge_{secrets.token_hex(8)}__", ipc_dir / "verdicts.jsonl"
-    settings = {"imports": trusted_imports(source_dir / chapter / f"{chapter}.ipynb"), "verdicts": str(verdicts),
-                "name": judge_name, "memory_bytes": memory_bytes}
-    (ipc_dir / "judge.json").write_text(json.dumps(settings), encoding="utf-8")
-    env = {**kernel_environment(dict(os.environ)), CONFIG_VARIABLE: str(ipc_dir / "judge.json")}
-    notebook_dir = scratch / "autograded" / student / chapter
-    KernelSandbox(notebook_dir, ipc_dir, env, sandboxed).write_kernelspec(jupyter_dir)
-    # The sandbox kernelspec comes first; folders already on JUPYTER_PATH (nbconvert's templates, for one) stay.
-    jupyter_path = os.pathsep.join(filter(None, [str(jupyter_dir), os.environ.get("JUPYTER_PATH")]))
-    os.environ.update(JUPYTER_PATH=jupyter_path, JUPYTER_RUNTIME_DIR=str(ipc_dir))
-    c = Config()
-    steps = Autograde.class_traits()["autograde_preprocessors"].default()
-    c.Autograde.autograde_preprocessors = [JudgedExecute if step is Execute else step for step in steps]
-    c.JudgedExecute.kernel_name = KERNEL_NAME
-    c.JudgedExecute.judge_name = judge_name
-    c.JudgedExecute.verdict_file = str(verdicts)
-    c.KernelManager.transport = "ipc"
-    c.KernelManager.ip = str(ipc_dir / "kernel")
-    c.KernelManager.connection_file = str(ipc_dir / "connection.json")
-    return c
-
-
-def judged_in_kernel(source_notebook: Path) -> bool:
-    """Whether a chapter is still graded by the old in-kernel judge (its metadata says so); else by the tester."""
-    return read_notebook(source_notebook).metadata.get("autograder", {}).get("judge") == "in-kernel"
 
 
 def trusted_config(scratch: Path, source_dir: Path, chapter: str, student: str, *, sandboxed: bool,
@@ -102,6 +50,10 @@ def trusted_config(scratch: Path, source_dir: Path, chapter: str, student: str, 
     c.TrustedExecute.source_notebook = str(source_dir / chapter / f"{chapter}.ipynb")
     c.TrustedExecute.tester_socket = str(ipc_dir / "tester.sock")
     c.TrustedExecute.tester_timeout = float(cell_timeout)
+    # The run's secret goes to the tester alone: it leaves this process's environment, which a kernel
+    # started without the sandbox would inherit.
+    secret = os.environ.pop(SECRET_VARIABLE, None)
+    c.TrustedExecute.tester_env = {**os.environ, **({SECRET_VARIABLE: secret} if secret else {})}
     c.KernelManager.transport = "ipc"
     c.KernelManager.ip = str(ipc_dir / "kernel")
     c.KernelManager.connection_file = str(ipc_dir / "connection.json")
@@ -122,11 +74,8 @@ def grade_submission(scratch: Path, source_dir: Path, chapter: str, student: str
         release_directory=str(scratch / "release"),
         cell_timeout=cell_timeout,
     )
-    if judged_in_kernel(source_dir / chapter / f"{chapter}.ipynb"):
-        config.merge(judged_config(scratch, source_dir, chapter, student, sandboxed=sandboxed, memory_bytes=memory_bytes))
-    else:
-        config.merge(trusted_config(scratch, source_dir, chapter, student, sandboxed=sandboxed,
-                                    memory_bytes=memory_bytes, cell_timeout=cell_timeout))
+    config.merge(trusted_config(scratch, source_dir, chapter, student, sandboxed=sandboxed,
+                                memory_bytes=memory_bytes, cell_timeout=cell_timeout))
     api = NbGraderAPI(config=config)
     for step, run in (("autograde", api.autograde), ("generate_feedback", api.generate_feedback)):
         result = run(chapter, student)

@@ -38,6 +38,7 @@ __all__ = [
     "RingAttention",
     "allgather_attention_forward",
     "block_attention",
+    "causal_ring_attention_forward",
     "causal_work_per_rank",
     "chunk_pair_kind",
     "contiguous_indices",
@@ -46,6 +47,7 @@ __all__ = [
     "kv_comm_bytes",
     "layout_indices",
     "merge_partials",
+    "random_qkv",
     "ring_attention",
     "ring_attention_forward",
     "ring_shift",
@@ -359,6 +361,12 @@ def ring_attention_forward(
 # --------------------------------------------------------------------------------------------
 
 
+def causal_ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (output, lse) of causal attention for zigzag shards (..., 2c, d): the ring, future chunks skipped."""
+    return ring_attention_forward(q, k, v, causal=True, layout="zigzag", scale=scale)
+
+
 def _ring_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
     causal: bool, layout: str, scale: float | None,
@@ -475,9 +483,15 @@ def kv_buffer_bytes(strategy: str, n: int, head_dim: int, world_size: int, batch
 # --------------------------------------------------------------------------------------------
 
 
-def _inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+def random_qkv(batch: int, heads: int, n: int, d: int, dtype: torch.dtype = torch.float32, seed: int = 0,
+               count: int = 3) -> list[torch.Tensor]:
+    """``count`` seeded random (batch, heads, n, d) tensors on the CPU: queries, keys, values (and more of that shape)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, n, d, dtype=dtype, generator=g).to(device) for _ in range(4)]
+    return [torch.randn(batch, heads, n, d, dtype=dtype, generator=g) for _ in range(count)]
+
+
+def _inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    return [t.to(device) for t in random_qkv(b, h, n, d, dtype, seed, count=4)]
 
 
 def _check(name: str, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], rtol: float, atol: float) -> None:

@@ -568,12 +568,15 @@ class _Checked:
         self.fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return ("ok", self.fn(*args, **kwargs))
-        except NotImplementedError as exc:
-            return ("todo", str(exc))
-        except AssertionError as exc:
-            return ("fail", f"{type(exc).__name__}: {exc}" if isinstance(exc, NotDoneYet) else str(exc))
+        from course_lib.testing import recording
+
+        with recording() as records:
+            try:
+                return ("ok", self.fn(*args, **kwargs), records)
+            except NotImplementedError as exc:
+                return ("todo", str(exc), records)
+            except AssertionError as exc:
+                return ("fail", f"{type(exc).__name__}: {exc}" if isinstance(exc, NotDoneYet) else str(exc), records)
 
 
 def launch_checked(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0, **kwargs: Any) -> list[Any]:
@@ -581,19 +584,26 @@ def launch_checked(fn: Callable[..., Any], world_size: int, *args: Any, timeout:
 
     A rank that hits an unfinished exercise (``NotImplementedError``, or ``testing.call``'s
     NotDoneYet) makes this raise ``NotDoneYet``; other exceptions come back as ``RankError``.
+    Under the grader the ranks run in the student's kernel, and then once more in the grader's
+    own process with the course's reference in place of the student's code: every value a check
+    in the ranks compared must equal the reference run's (``testing.reference_run``).
     """
     from course_lib.dist import launch
+    from course_lib.testing import compare_recordings, reference_run
 
     warm_up_autograd()
     results = launch(_Checked(fn), world_size, *args, timeout=timeout, **kwargs)
-    for rank, (status, value) in enumerate(results):
+    for rank, (status, value, _) in enumerate(results):
         if status == "todo" or (status == "fail" and value.startswith("NotDoneYet: ")):
             message = value.removeprefix("NotDoneYet: ") or "not implemented yet"
             raise NotDoneYet(f"{message} (raised in rank {rank})")
-    for rank, (status, value) in enumerate(results):
+    for rank, (status, value, _) in enumerate(results):
         if status == "fail":
             raise AssertionError(f"rank {rank} of {world_size}: {value}")
-    return [value for _, value in results]
+    reference = reference_run(_Checked(fn), world_size, *args, timeout=timeout, **kwargs)
+    for rank, ((_, _, got), (_, _, want)) in enumerate(zip(results, reference or [])):
+        compare_recordings(got, want, f"rank {rank} of {world_size}")
+    return [value for _, value, _ in results]
 
 
 # --------------------------------------------------------------------------------------------

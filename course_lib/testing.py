@@ -7,6 +7,7 @@ what was expected, what came back, and where the two differ.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 from collections.abc import Callable, Iterator
@@ -45,6 +46,7 @@ def assert_close(
     equal_nan: bool = True,
 ) -> None:
     """Check ``actual`` against ``expected``; on failure say which of type, shape, dtype or value is off."""
+    _record("close", name, actual, {"rtol": rtol, "atol": atol, "check_dtype": check_dtype, "equal_nan": equal_nan})
     if isinstance(expected, torch.Tensor) and not isinstance(actual, torch.Tensor):
         raise AssertionError(f"{name}: expected a torch.Tensor, got {type(actual).__name__}")
     a, e = _as_tensor(actual), _as_tensor(expected)
@@ -81,6 +83,7 @@ def assert_close(
 
 def assert_equal(actual: Any, expected: Any, *, name: str = "result") -> None:
     """Check exact equality of plain values (numbers, strings, tuples, dicts), naming both on failure."""
+    _record("equal", name, actual, {})
     if isinstance(expected, float) and isinstance(actual, (int, float)):
         if math.isnan(expected) and math.isnan(actual):
             return
@@ -169,6 +172,74 @@ def sending_to(channel: Any) -> Iterator[None]:
         yield
     finally:
         _SENDER.pop()
+
+
+_RECORDS: list[list[tuple[str, str, Any, dict[str, Any]]]] = []
+
+
+def _record(kind: str, name: str, actual: Any, options: dict[str, Any]) -> None:
+    """While ``recording``, keep what a check was given to compare (a copy of its ``actual``)."""
+    if _RECORDS:
+        kept = actual.detach().clone() if isinstance(actual, torch.Tensor) else copy.deepcopy(actual)
+        _RECORDS[-1].append((kind, name, kept, options))
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, str, Any, dict[str, Any]]]]:
+    """Within the block, ``assert_close`` and ``assert_equal`` also keep what they check (kind, name, actual, options)."""
+    _RECORDS.append([])
+    try:
+        yield _RECORDS[-1]
+    finally:
+        _RECORDS.pop()
+
+
+def compare_recordings(got: list, reference: list, label: str) -> None:
+    """Check the values a run of the student's code gave each check against a run of the reference's, check by check."""
+    if [(k, n) for k, n, _, _ in got] != [(k, n) for k, n, _, _ in reference]:
+        raise AssertionError(f"{label}: the checks that ran ({len(got)}) are not those of the reference run "
+                             f"({len(reference)}): the run took another path")
+    for (kind, name, actual, options), (_, _, expected, _) in zip(got, reference):
+        if kind == "close":
+            assert_close(actual, expected, name=f"{label}: {name}", **options)
+        else:
+            assert_equal(actual, expected, name=f"{label}: {name}")
+
+
+def reference_run(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any] | None:
+    """Under the grader, the same ranks run with the reference in place of the student's code, in the tester; else None.
+
+    With ``recording`` around ``fn`` in every rank and ``compare_recordings``, a check made inside the
+    student's ranks is judged against what the reference gave in the tester's own ranks, never
+    against an expected value worked out where the student's code runs.
+    """
+    if not _SENDER:
+        return None
+    return _SENDER[-1].reference_launch(fn, world_size, args, kwargs)
+
+
+_SECRET: list[int] = []
+
+
+def hidden_seed(seed: int) -> int:
+    """``seed`` itself in a notebook; under the grader, ``seed`` mixed with a secret drawn for the grading run.
+
+    Hidden tests draw their random inputs from ``hidden_seed(n)``: the tests are public, but the
+    inputs they are graded on are not, so no answer can be written down for them in advance.
+    """
+    if not _SECRET:
+        return seed
+    return (seed * 1_000_003 + _SECRET[-1]) % (2**31 - 1)
+
+
+@contextlib.contextmanager
+def secret_seed(secret: int) -> Iterator[None]:
+    """Within the block, ``hidden_seed`` mixes in ``secret`` (used by the grader's tester)."""
+    _SECRET.append(secret)
+    try:
+        yield
+    finally:
+        _SECRET.pop()
 
 
 def use_or_fallback(student_fn: Callable[..., Any], reference_fn: Callable[..., Any]) -> Callable[..., Any]:

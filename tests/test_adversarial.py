@@ -71,7 +71,8 @@ JUDGE_NB = notebook([
     *exercise("triple", "return 3 * x", "assert torch.allclose(call(triple, torch.ones(2)), 3 * torch.ones(2))",
               "assert torch.allclose(call(triple, torch.zeros(1) + 2), torch.zeros(1) + 6)"),
     *exercise("half", "return x / 2", "assert np.allclose(call(half, np.ones(2)), 0.5 * np.ones(2))",
-              "assert np.allclose(call(half, np.arange(3.0)), np.arange(3.0) / 2)"),
+              "from course_lib.testing import hidden_seed\n_x = np.random.default_rng(hidden_seed(5)).random(3)\n"
+              "assert np.allclose(call(half, _x), _x / 2)"),
     *exercise("neg", "return -x", "assert call(neg, 3) == -3", "assert call(neg, -1) == 1"),
     *exercise("tensor_nbytes", "return x.numel() * x.element_size()",
               "assert call(tensor_nbytes, torch.zeros(3)) == fp.tensor_nbytes(torch.zeros(3))",
@@ -141,6 +142,7 @@ CHEATS = {
     # The reference is not an answer: delegating to it, by any route, scores 0; patching it changes nothing.
     "delegate_reference": "import importlib\nfrom course_lib.floating_point import tensor_nbytes as _ref\n"
                           "_copy = type(_ref)(_ref.__code__, _ref.__globals__)\n_reloaded = importlib.reload(fp)",
+    "hardcoded_hidden": "pass",
     "patch_reference": "import course_lib.floating_point as _fp\n_fp.tensor_nbytes = lambda t: 0\nfp.tensor_nbytes = _fp.tensor_nbytes",
 }
 # How a cheater's function is written when the attack needs it (default: the wrong body of WRONG).
@@ -149,6 +151,8 @@ CHEAT_BODIES = {
     "lying_tensor": {"double": "return _lie(None)(x)", "triple": "return _lie(None)(x)"},
     "delegate_reference": {"tensor_nbytes": "return _ref(x) + _copy(x) * 0 if x.numel() != 3 else fp.tensor_nbytes(x)"},
     "patch_reference": {"tensor_nbytes": "return 0"},
+    # The hidden test's code is public: an answer written down for its published seed is right only there.
+    "hardcoded_hidden": {"half": "return x / 2 if len(x) == 2 else np.random.default_rng(5).random(3) / 2"},
 }
 # 91_judge student who is right only when the grader's NBGRADER_EXECUTION is visible: it is not.
 GRADING_DETECTOR = ("import os\n_graded = bool(os.environ.get('NBGRADER_EXECUTION'))\n"

@@ -97,11 +97,6 @@ def hidden_fingerprints(nb: NotebookNode) -> dict[str, str]:
     return found
 
 
-def read_notebook_metadata(chapter: str) -> dict:
-    """The grader's settings in a chapter's source notebook metadata."""
-    return nbformat.read(COURSE.source_notebook(chapter), as_version=4).metadata.get("autograder", {})
-
-
 def html_text(path: Path) -> str:
     """The text of an HTML file, tags removed."""
     return html.unescape(re.sub(r"<[^>]+>", "", path.read_text(encoding="utf-8")))
@@ -159,12 +154,29 @@ def make_submissions(root: Path, released: Path) -> tuple[dict[tuple[str, str], 
                     deleted[chapter] = chosen[0][1]
                     nb.cells.remove(cell_by_id(nb, deleted[chapter]))
             put(student, chapter, nb)
+    if RIGGED_CHAPTER in CHAPTERS:  # a wrong class, and the checks inside the ranks silenced in the kernel
+        nb = nbformat.read(COURSE.source_notebook(RIGGED_CHAPTER), as_version=4)
+        index = nb.cells.index(cell_by_id(nb, RIGGED_EXERCISE + "_code"))
+        nb.cells.insert(index + 1, nbformat.v4.new_code_cell(RIGGED_CELL))
+        put("rigged", RIGGED_CHAPTER, nb)
     first = CHAPTERS[0]
     (root / "broken" / first).mkdir(parents=True)
     (root / "broken" / first / f"{first}.ipynb").write_text('{"cells": [', encoding="utf-8")
     put("misnamed", first, nbformat.read(released / first / f"{first}.ipynb", as_version=4), name=f"{first}_final.ipynb")
     put("blank", "99_no_such_chapter", nbformat.read(released / first / f"{first}.ipynb", as_version=4))
     return solved, deleted
+
+
+RIGGED_CHAPTER, RIGGED_EXERCISE = "13_tensor_parallel", "ex13_2_column_parallel"
+RIGGED_CELL = """\
+import course_lib.testing as _T
+_T.assert_close = lambda *a, **k: None
+_T.assert_equal = lambda *a, **k: None
+_Right = ColumnParallelLinear
+class ColumnParallelLinear(_Right):
+    def forward(self, x):
+        return super().forward(x) * 0
+"""
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +213,15 @@ def points(chapter: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
+def test_checks_silenced_inside_ranks_score_zero(graded: Graded) -> None:
+    # The ranks run in the student's kernel, where the notebook replaced assert_close: the tester
+    # judges what the checks were given against a run of the reference, so the wrong class scores 0.
+    if RIGGED_CHAPTER not in CHAPTERS:
+        pytest.skip(f"no {RIGGED_CHAPTER}")
+    assert graded.detail["rigged", RIGGED_CHAPTER, RIGGED_EXERCISE][0] == 0, graded.row("rigged", RIGGED_CHAPTER)
+
+
+@pytest.mark.slow
 def test_grade_tables_have_the_documented_layout(graded: Graded) -> None:
     def header(name: str) -> str:
         return (graded.out / name).read_text(encoding="utf-8").splitlines()[0]
@@ -212,6 +233,7 @@ def test_grade_tables_have_the_documented_layout(graded: Graded) -> None:
     expected = {(s, c) for s in ("solution", "blank") for c in CHAPTERS}
     expected |= {(s, c) for s in ("partial", "tamper") for c in PARTIAL_CHAPTERS}
     expected |= {("broken", CHAPTERS[0]), ("misnamed", CHAPTERS[0]), ("blank", "99_no_such_chapter")}
+    expected |= {("rigged", RIGGED_CHAPTER)} if RIGGED_CHAPTER in CHAPTERS else set()
     assert set(keys) == expected
 
 
@@ -293,8 +315,6 @@ def test_hidden_tests_never_reach_the_kernel(graded: Graded, chapter: str) -> No
     fingerprints = hidden_fingerprints(nbformat.read(COURSE.source_notebook(chapter), as_version=4))
     printed = set(re.findall(r"SPY\s+([0-9a-f]{32})", html_text(graded.out / "feedback" / "blank" / f"{chapter}.html")))
     assert fingerprints
-    if read_notebook_metadata(chapter).get("judge") == "in-kernel":  # the old judge runs tests in the kernel
-        return
     leaked = sorted(g for g, md5 in fingerprints.items() if md5 in printed)
     assert not leaked, f"the student's kernel saw the hidden tests of {leaked}"
 

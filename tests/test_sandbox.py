@@ -44,10 +44,11 @@ def test_kernel_command_binds_only_what_the_kernel_needs(tmp_path: Path) -> None
 def test_grading_keeps_folders_already_on_jupyter_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # nbconvert finds its feedback templates through JUPYTER_PATH where a package was installed to a
     # prefix of its own; the sandbox kernelspec goes first and those folders stay after it.
-    from autograder.worker import judged_config
+    from autograder.worker import trusted_config
 
     root = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("JUPYTER_PATH", "/opt/templates")
     (tmp_path / "autograded" / "alice" / "00_orientation").mkdir(parents=True)
-    judged_config(tmp_path, root / "solutions", "00_orientation", "alice", sandboxed=False, memory_bytes=None)
+    trusted_config(tmp_path, root / "solutions", "00_orientation", "alice", sandboxed=False, memory_bytes=None,
+                   cell_timeout=60)
     assert os.environ["JUPYTER_PATH"].split(os.pathsep) == [str(tmp_path / "jupyter"), "/opt/templates"]
