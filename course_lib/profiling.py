@@ -1,6 +1,7 @@
 """Timing that tells the truth, reading profiles, and the roofline model (chapter 03).
 
 - ``benchmark`` / ``Timing``: warm-up, device synchronisation, repeats, median and spread.
+- ``plot_timings``: medians with their spread on an axis that starts at zero.
 - ``time_calls`` and ``SimulatedDevice``: a timer with an injected clock, and a fake asynchronous
   device to test it on.
 - ``top_ops``, ``load_trace``, ``annotation_ranges``, ``memory_timeline``: read what
@@ -24,6 +25,29 @@ import torch
 
 from course_lib import env  # noqa: F401  (quiets the profiler's log before any profile starts)
 from course_lib.orientation import GPUSpec, roofline
+
+__all__ = [
+    "Timing",
+    "benchmark",
+    "plot_timings",
+    "SimulatedDevice",
+    "time_calls",
+    "top_ops",
+    "load_trace",
+    "annotation_ranges",
+    "memory_timeline",
+    "matmul_flops_bytes",
+    "elementwise_flops_bytes",
+    "softmax_flops_bytes",
+    "attention_flops_bytes",
+    "arithmetic_intensity",
+    "machine_balance",
+    "peak_flops",
+    "achieved_rates",
+    "classify_bound",
+    "roofline_point",
+]
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -101,6 +125,32 @@ def benchmark(
             fn(*args, **kwargs)
             times.append(time.perf_counter() - t0)
     return Timing(times)
+
+
+def plot_timings(
+    ax: Any,
+    x: Iterable[float],
+    timings: Iterable[Timing],
+    *,
+    scale: float = 1e3,
+    relative_to: Timing | None = None,
+    **style: Any,
+) -> None:
+    """Plot the medians of ``timings`` against ``x`` with p10-p90 error bars, the y axis from zero.
+
+    Seconds are multiplied by ``scale`` (1e3: milliseconds); with ``relative_to`` every repeat is
+    divided by that timing's median instead, so the plot shows a ratio. ``style`` goes to
+    ``ax.errorbar`` (label, marker, colour ...).
+    """
+    xs, timings = list(x), list(timings)
+    factor = 1.0 / relative_to.median if relative_to is not None else scale
+    mid = [t.median * factor for t in timings]
+    lo = [m - t.spread[0] * factor for m, t in zip(mid, timings)]
+    hi = [t.spread[1] * factor - m for m, t in zip(mid, timings)]
+    style.setdefault("marker", "o")
+    style.setdefault("capsize", 3)
+    ax.errorbar(xs, mid, yerr=[lo, hi], **style)
+    ax.set_ylim(0, max(ax.dataLim.y1, 1e-12) * 1.08)  # every series drawn so far fits
 
 
 # --------------------------------------------------------------------------------------------

@@ -242,3 +242,23 @@ def test_roofline_point() -> None:
     for bad in bad_arguments:
         with pytest.raises(ValueError):
             roofline_point(*bad)
+
+
+def test_plot_timings_shows_medians_with_their_spread_from_zero() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_lib.profiling import Timing, plot_timings
+
+    fig, ax = plt.subplots()
+    slow = Timing([0.050, 0.052, 0.051, 0.090])
+    plot_timings(ax, [1, 2], [Timing([0.049, 0.050, 0.051]), slow], label="ms")
+    line = ax.lines[0]
+    assert list(line.get_ydata()) == pytest.approx([50.0, slow.median * 1e3]), "the markers are the medians, in ms"
+    assert ax.get_ylim()[0] == 0, "a timing axis starts at zero, so a 2% change does not look like a cliff"
+    assert ax.get_ylim()[1] >= slow.spread[1] * 1e3, "the p90 whisker of the slowest point is inside the axis"
+    plot_timings(ax, [1, 2], [slow, slow], relative_to=slow)
+    assert any(list(line.get_ydata()) == pytest.approx([1.0, 1.0]) for line in ax.lines), "relative_to divides by its median"
+    plt.close(fig)
