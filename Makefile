@@ -1,5 +1,6 @@
 # Training at Speed: set-up, lab, tests and release.
-#   make lab     set up .venv if needed, then serve JupyterLab on notebooks/
+#   make lab     set up .venv if needed, then serve JupyterLab on notebooks/ (the student's lab)
+#   make lab-instructor   the same on the project root, with nbgrader's instructor extensions
 #   make test    set up .venv if needed, then run the whole CPU test suite
 # Variables you may override, e.g. `make test TORCH_BUILD=cuda JOBS=4`:
 #   PYTHON       interpreter that creates the venv (3.11 or newer)
@@ -25,9 +26,9 @@ ifeq ($(TORCH_BUILD),auto)
   TORCH_BUILD := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 endif
 
-.PHONY: install sandbox-deps browser-deps lab test test-browser test-gpu notebooks-run multi-gpu release bench bench-grading audit clean help
+.PHONY: install sandbox-deps browser-deps lab lab-instructor test test-browser test-gpu notebooks-run multi-gpu release bench bench-grading audit clean help
 help:
-	@sed -n '2,10p' Makefile
+	@sed -n '2,11p' Makefile
 
 install: $(STAMP)
 
@@ -52,8 +53,15 @@ sandbox-deps:
 browser-deps:
 	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; }
 
+# The student's lab leaves out nbgrader's instructor extensions (jupyter/README.md says how).
+STUDENT_JUPYTER_CONFIG := $(abspath jupyter/student)
+LAB_FLAGS = $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+	JUPYTER_CONFIG_PATH=$(STUDENT_JUPYTER_CONFIG)$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH)) \
+	  $(BIN)/jupyter lab --notebook-dir=notebooks $(LAB_FLAGS)
+
+lab-instructor: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=. $(LAB_FLAGS)
 
 # CPU tier: unit tests, release sync, grading end to end, and every solution notebook under nbval.
 test: $(STAMP)

@@ -68,12 +68,14 @@ exit status: 0 every submission graded (status ok); 1 at least one submission no
 2 usage error (SUBMISSIONS missing or holding no submission, unknown --chapter)."""
 
 VALIDATE_HELP = """\
-Run a notebook the way the grader will: top to bottom in a fresh kernel (working
-directory: the notebook's folder), then score each test cell as nbgrader does. A test
-cell fails when it raises or when it writes to stderr (nbgrader scores stderr output as
-a failure, after dropping known-harmless library warnings). Prints the failing grade_ids
-with the last line of their error, and the points obtained. A student notebook holds only
-the visible tests: the grader also runs the hidden ones.
+Check a notebook as it is saved on disk (save it in JupyterLab first): run it top to
+bottom in a fresh kernel (working directory: the notebook's folder), then score each
+test cell as nbgrader does. A test cell fails when it raises or when it writes to stderr
+(nbgrader scores stderr output as a failure, after dropping known-harmless library
+warnings). Prints the failing grade_ids with their error, the other cells that raised,
+the exercises for which later cells used the course's reference, and how many visible
+tests passed. A student notebook holds only the visible tests: the grader adds hidden
+ones, so the grade can be lower.
 
 exit status: 0 all tests passed; 1 a test failed or the notebook could not be run;
 2 usage error."""
@@ -204,18 +206,19 @@ def _grade(args: argparse.Namespace, course: Course) -> int:
 
 
 def _validate(args: argparse.Namespace, course: Course) -> int:
-    """``validate``: run the notebook and report its test cells."""
-    from .validate import run_tests, summarise
+    """``validate``: run the notebook and report what it showed."""
+    from .validate import run_notebook, saved_note, summarise
 
     if not args.notebook.is_file():
         args.parser.error(f"notebook not found: {args.notebook}")
-    print(f"running {args.notebook} in a fresh kernel ...", flush=True)
+    print(saved_note(args.notebook), flush=True)
+    print("running it top to bottom in a fresh kernel ...", flush=True)
     try:
-        outcomes = run_tests(args.notebook, course.root, args.cell_timeout)
+        result = run_notebook(args.notebook, course.root, args.cell_timeout)
     except Exception as exc:  # the kernel died or could not start: report it, do not crash
         print(f"error: could not run {args.notebook}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    report, passed = summarise(outcomes)
+    report, passed = summarise(result)
     print(report)
     return 0 if passed else 1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from pathlib import Path
 import nbformat
 
 from .config import course_environment, nbgrader_config
-from .course import Course
+from .course import Course, is_test_cell
 from .logs import failure_reason
 
 
@@ -32,14 +33,29 @@ def generate_assignments(course: Course, chapters: Sequence[str], release_dir: P
                 raise ReleaseError(f"nbgrader generate_assignment failed for {chapter}: {failure_reason(result)}")
 
 
+# JupyterLab's Run All stops at the first cell that raises unless the cell carries this tag; a
+# student's unfinished exercise raises in its own cell and in its test, and Run All goes on.
+KEEP_GOING_TAG = "raises-exception"
+# nbval's markers steer CI over solutions/; a student's copy has no use for them.
+_NBVAL_COMMENT = re.compile(r"^[ \t]*#[ \t]*(NBVAL|PYTEST_VALIDATE)_[A-Z_]+[ \t]*\n?", re.MULTILINE)
+
+
 def normalise_notebook(path: Path) -> None:
-    """Rewrite a released notebook in nbformat's canonical layout, without outputs or widget state."""
+    """Rewrite a released notebook canonically: no outputs, widget state or CI markers; exercise cells keep Run All going."""
     nb = nbformat.read(path, as_version=nbformat.NO_CONVERT)
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
+            cell.source = _NBVAL_COMMENT.sub("", cell.source)
+        tags = [t for t in cell.metadata.get("tags", []) if not t.startswith("nbval-")]
+        if is_test_cell(cell) or cell.metadata.get("nbgrader", {}).get("solution") and cell.cell_type == "code":
+            tags = [*tags, KEEP_GOING_TAG] if KEEP_GOING_TAG not in tags else tags
+        if tags:
+            cell.metadata["tags"] = tags
+        else:
+            cell.metadata.pop("tags", None)
     text = nbformat.writes(nb)
     path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
 

@@ -259,3 +259,10 @@ def cuda_peak_bytes(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor)
     forward_backward(fn, x)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before
+
+
+def peak_saved_bytes(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
+    """Peak live saved-activation bytes over one forward and backward pass of ``fn`` on ``x``, recomputation included (measured)."""
+    with mm.SavedBytesTracker() as tracker:
+        forward_backward(fn, x)
+    return tracker.peak

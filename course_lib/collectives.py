@@ -540,7 +540,7 @@ def check_collective(
     stream, so the "post both, then wait" schedule this chapter teaches would hang there.
     """
     from course_lib import dist as cdist
-    from course_lib.testing import NotDoneYet, assert_close
+    from course_lib.testing import assert_close, not_done
 
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
@@ -562,7 +562,7 @@ def check_collective(
             "post isend and irecv together, and check that sender and receiver agree on peers and sizes)"
         ) from None
     if any(res == [_NOT_DONE] for res in per_rank):
-        raise NotDoneYet(f"{name} is not implemented yet: replace `raise NotImplementedError()` with your code")
+        raise not_done(fn)
     for i, case in enumerate(full):
         seed, length, dtype, root, width = case
         inputs = [rank_input(seed, r, length, dtype, width) for r in range(world_size)]

@@ -10,16 +10,42 @@ measurements that check them (autograd's saved tensors, module outputs, optimize
     mm.training_memory(7e9, "mixed_adam").total / 1e9                  # 112.0 (GB)
     mm.zero_memory_per_gpu(7.5e9, stage=3, world_size=64).total / 1e9  # 1.875
     mm.measure_saved_activation_bytes(model, x)                        # what autograd keeps
+    with mm.SavedBytesTracker() as t: loss(model(x)).backward()        # t.peak: live saved bytes
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import threading
+import weakref
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
+
+__all__ = [
+    "OPTIMIZER_STATES",
+    "Regime",
+    "REGIMES",
+    "MemoryBreakdown",
+    "bytes_per_param",
+    "training_memory",
+    "zero_memory_per_gpu",
+    "transformer_activation_bytes",
+    "linear_weight_grad",
+    "storage_key",
+    "is_parameter_storage",
+    "SavedTensor",
+    "saved_tensors",
+    "measure_saved_activation_bytes",
+    "SavedBytesTracker",
+    "forward_hook_activation_bytes",
+    "optimizer_state_bytes",
+    "measured_training_memory",
+    "cuda_forward_memory",
+]
 
 # Number of fp32 buffers each optimizer keeps per parameter: momentum has a velocity,
 # Adam a first and a second moment (AdamW stores the same two).
@@ -178,6 +204,17 @@ def _parameter_keys(model: Callable[..., Any]) -> set[tuple[str, int]]:
     return set()
 
 
+def is_parameter_storage(t: torch.Tensor, parameter_keys: Collection[tuple[str, int]] = ()) -> bool:
+    """True when ``t`` lives in a parameter's memory: a Parameter, a view of one, or a storage in ``parameter_keys``.
+
+    Autograd often saves a parameter as a view (a Linear saves ``weight.t()``), so the test looks
+    at the tensor a view was taken from, not only at the tensor itself; it works for any callable,
+    not only for an ``nn.Module`` whose parameters can be listed. A *copy* of a parameter (the
+    bfloat16 weight that autocast makes) is not the parameter's memory and is not matched.
+    """
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or storage_key(t) in parameter_keys
+
+
 @dataclass(frozen=True)
 class SavedTensor:
     """One tensor that autograd saved for the backward pass, as the pack hook saw it."""
@@ -200,7 +237,9 @@ def saved_tensors(model: Callable[..., Any], *inputs: Any, **kwargs: Any) -> lis
         keep.append(t)
         key = storage_key(t)
         origin = t.grad_fn.name() if t.grad_fn is not None else ("leaf" if t.requires_grad else "no grad")
-        found.append(SavedTensor(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), key, key in params, origin))
+        found.append(
+            SavedTensor(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), key, is_parameter_storage(t, params), origin)
+        )
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -213,6 +252,96 @@ def measure_saved_activation_bytes(model: Callable[..., Any], *inputs: Any) -> i
     """Bytes of the distinct storages autograd saves in one forward pass of ``model``, parameters excluded."""
     distinct = {r.storage: r.storage_bytes for r in saved_tensors(model, *inputs) if not r.is_parameter}
     return sum(distinct.values())
+
+
+class _Held:
+    """What the tracker's pack hook hands autograd instead of a saved tensor; freed with the saved variable."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class SavedBytesTracker:
+    """Context manager: live and peak bytes of the tensors autograd holds for backward, parameters excluded.
+
+    Use it around a forward *and* a backward pass. Each saved tensor is counted by its storage
+    (views of one storage count once) from the moment autograd saves it until autograd lets it go:
+    the pack hook returns a small holder, and the holder's finalizer subtracts the bytes when the
+    backward pass (or the end of the graph) frees it. ``live`` is the current total, ``peak`` its
+    largest value so far.
+
+    ``torch.utils.checkpoint`` pushes saved-tensor hooks of its own, which hide from an outer hook
+    the tensors it recomputes during the backward pass. So while the tracker is active it also
+    wraps the pack hook of every saved-tensor hook context entered inside it (checkpoint's
+    included): a tensor that such a hook keeps as a tensor counts until that tensor object is
+    freed; one it swaps for something else (checkpoint's forward placeholder) does not count.
+    Parameters are recognised by ``is_parameter_storage``, plus the parameters of ``model``.
+    """
+
+    def __init__(self, model: Callable[..., Any] | None = None) -> None:
+        self.live = 0
+        self.peak = 0
+        self._parameter_keys = _parameter_keys(model)
+        self._refs: dict[tuple[str, int], int] = {}
+        self._bytes: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._original_push: Callable[..., Any] | None = None
+
+    def _count(self, t: torch.Tensor, anchor: object) -> None:
+        if is_parameter_storage(t, self._parameter_keys):
+            return
+        key, nbytes = storage_key(t), t.untyped_storage().nbytes()
+        with self._lock:
+            if self._refs.get(key, 0) == 0:
+                self._bytes[key] = nbytes
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            self._refs[key] = self._refs.get(key, 0) + 1
+        weakref.finalize(anchor, self._release, key)
+
+    def _release(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            self._refs[key] -= 1
+            if self._refs[key] == 0:
+                del self._refs[key]
+                self.live -= self._bytes.pop(key)
+
+    def _pack(self, t: torch.Tensor) -> _Held:
+        held = _Held(t)
+        self._count(t, held)
+        return held
+
+    @staticmethod
+    def _unpack(held: _Held) -> torch.Tensor:
+        return held.tensor
+
+    def _wrap(self, pack: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+        def counting_pack(t: torch.Tensor) -> Any:
+            kept = pack(t)
+            if isinstance(kept, (torch.Tensor, _Held)):
+                self._count(t, kept)
+            return kept
+
+        return counting_pack
+
+    def __enter__(self) -> SavedBytesTracker:
+        self._hooks.__enter__()
+        original = self._original_push = torch._C._autograd._push_saved_tensors_default_hooks
+
+        def push(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> None:
+            original(self._wrap(pack), unpack)
+
+        torch._C._autograd._push_saved_tensors_default_hooks = push
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        torch._C._autograd._push_saved_tensors_default_hooks = self._original_push
+        self._hooks.__exit__(exc_type, exc, tb)
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:

@@ -533,22 +533,10 @@ def count_collectives() -> Iterator[CommLog]:
 
 
 def student_or_reference(student: T, reference: T, probe: Callable[[T], Any]) -> T:
-    """``student`` (a function or class) if ``probe(student)`` does anything but raise NotImplementedError, else ``reference``.
+    """TRANSITIONAL: ``course_lib.fallback.use_or_fallback(student, reference, probe)``."""
+    from course_lib.fallback import use_or_fallback
 
-    Decide in the notebook's process, before launching ranks (a rank's prints do not reach the
-    notebook): ``probe`` exercises the student's code, e.g. ``lambda cls: cls.from_linear(lin, 0, 2)``.
-    Any other exception counts as implemented (a forward pass may need a process group that
-    the notebook's process does not have).
-    """
-    try:
-        probe(student)
-    except NotImplementedError:
-        name = getattr(student, "__qualname__", repr(student))
-        print(f"note: {name} is not done yet; using the reference {reference.__module__}.{reference.__qualname__} instead")
-        return reference
-    except Exception:  # noqa: BLE001 - implemented, it just cannot run here
-        pass
-    return student
+    return use_or_fallback(student, reference, probe)
 
 
 def warm_up_autograd() -> None:

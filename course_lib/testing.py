@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from course_lib.fallback import describe, use_or_fallback  # TRANSITIONAL: notebooks move to course_lib.fallback
+
 # Default tolerances per dtype: about a few units in the last place of each format.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-10, 1e-12),
@@ -97,7 +99,7 @@ def assert_raises(exc_type: type[BaseException], fn: Callable[..., Any], *args: 
         fn(*args, **kwargs)
     except NotImplementedError:
         if exc_type is not NotImplementedError:
-            raise NotDoneYet(f"{_name(fn)} is not implemented yet") from None
+            raise not_done(fn) from None
         raise
     except exc_type as exc:
         return exc
@@ -123,7 +125,7 @@ def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except NotImplementedError:
-        raise NotDoneYet(f"{_name(fn)} is not implemented yet: replace `raise NotImplementedError()` with your code") from None
+        raise not_done(fn) from None
 
 
 _BY_REFERENCE: dict[int, Any] = {}
@@ -242,34 +244,12 @@ def secret_seed(secret: int) -> Iterator[None]:
         _SECRET.pop()
 
 
-def use_or_fallback(student_fn: Callable[..., Any], reference_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a student's function so that, while it raises NotImplementedError, the reference runs instead (and says so once)."""
-    told = False
-
-    @functools.wraps(student_fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        nonlocal told
-        try:
-            return student_fn(*args, **kwargs)
-        except NotImplementedError:
-            if not told and _is_first_rank():
-                print(
-                    f"note: {_name(student_fn)} is not done yet; using the reference "
-                    f"{reference_fn.__module__}.{reference_fn.__qualname__} instead"
-                )
-                told = True
-            return reference_fn(*args, **kwargs)
-
-    return wrapper
+def not_done(fn: Any) -> NotDoneYet:
+    """The failure of a check that met an untouched exercise: names it, and says what to replace."""
+    return NotDoneYet(f"{describe(fn)} is not implemented yet: replace `raise NotImplementedError()` with your code")
 
 
-def _is_first_rank() -> bool:
-    """False inside ranks 1.. of a torch.distributed run, so that a note prints once, not once per rank."""
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0
-
-
-def _name(fn: Callable[..., Any]) -> str:
-    return getattr(fn, "__name__", repr(fn))
+_name = describe
 
 
 def _show_args(args: tuple, kwargs: dict) -> str:

@@ -407,8 +407,10 @@ def test_validate_passes_the_solution_notebook(released: Path, tmp_path: Path) -
     shutil.copytree(COURSE.solutions / chapter, tmp_path / chapter)
     result = run_cli("validate", str(tmp_path / chapter / f"{chapter}.ipynb"))
     n_tests = sum(is_test_cell(c) for c in nbformat.read(COURSE.source_notebook(chapter), as_version=4).cells)
+    total = sum(points(chapter).values())
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"all {n_tests} tests passed" in result.stdout
+    assert f"tests: {n_tests} of {n_tests} passed ({total:g} of {total:g} points)" in result.stdout, result.stdout
+    assert "CRASHED" not in result.stdout and "reference used" not in result.stdout, result.stdout
 
 
 @pytest.mark.slow
@@ -418,7 +420,30 @@ def test_validate_fails_a_blank_notebook_and_names_its_tests(released: Path) -> 
     assert result.returncode == 1, result.stdout + result.stderr
     for grade_id in points(chapter):
         assert f"FAILED {grade_id}" in result.stdout, result.stdout
-    assert f"0/{sum(points(chapter).values()):g} points" in result.stdout
+    assert f"(0 of {sum(points(chapter).values()):g} visible points)" in result.stdout, result.stdout
+    assert "save first" in result.stdout, "validate reads the saved file: it must say so"
+
+
+@pytest.mark.slow
+def test_validate_says_hidden_tests_remain_and_names_a_crashed_lecture_cell(released: Path, tmp_path: Path) -> None:
+    # Every visible test passes, but one answer is right only for the visible cases, and a lecture
+    # cell the student added crashes: validate must not present the visible points as the grade.
+    chapter = CHAPTERS[0]
+    nb = nbformat.read(released / chapter / f"{chapter}.ipynb", as_version=4)
+    solution = nbformat.read(COURSE.source_notebook(chapter), as_version=4)
+    for code_id, _ in exercises(solution):
+        cell_by_id(nb, code_id).source = cell_by_id(solution, code_id).source
+    nb.cells.append(nbformat.v4.new_code_cell("results = {}\nprint(results['speed-up'])"))
+    path = tmp_path / chapter / f"{chapter}.ipynb"
+    path.parent.mkdir()
+    nbformat.write(nb, path)
+    result = run_cli("validate", str(path))
+    n_tests, total = len(points(chapter)), sum(points(chapter).values())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"visible tests: {n_tests} of {n_tests} passed ({total:g} of {total:g} visible points)" in result.stdout
+    assert "the grader adds hidden tests" in result.stdout and "can be lower" in result.stdout, result.stdout
+    crash = f"CRASHED lecture cell (cell {len(nb.cells) - 1}, `results = {{}}`): KeyError: 'speed-up'"
+    assert crash in result.stdout, result.stdout
 
 
 def test_help_of_every_command() -> None:

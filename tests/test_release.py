@@ -138,3 +138,26 @@ def test_release_help_mentions_exit_status() -> None:
     )
     assert result.returncode == 0 and "exit status" in result.stdout
     assert re.search(r"--out DIR", result.stdout)
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_released_exercise_cells_let_run_all_go_on_and_carry_no_ci_markers(chapter: str) -> None:
+    released = nbformat.read(COURSE.released_notebook(chapter), as_version=4)
+    exercise = [c for c in released.cells if is_test_cell(c) or (c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("solution"))]
+    assert exercise, f"{chapter}: no exercise cells in the release"
+    stopping = [c.metadata.nbgrader["grade_id"] for c in exercise if "raises-exception" not in c.metadata.get("tags", [])]
+    assert not stopping, (f"{chapter}: exercise cells without the raises-exception tag stop JupyterLab's Run All "
+                          f"at a student's first unfinished exercise: {stopping}")
+    lecture_tags = {t for c in released.cells if c not in exercise for t in c.metadata.get("tags", [])}
+    assert "raises-exception" not in lecture_tags, f"{chapter}: a lecture cell is allowed to raise"
+    ci = [i for i, c in enumerate(released.cells)
+          if re.search(r"#\s*NBVAL_|nbval-", c.source) or any(t.startswith("nbval-") for t in c.metadata.get("tags", []))]
+    assert not ci, f"{chapter}: nbval markers left in the student's notebook, cells {ci}"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_solutions_do_not_hide_errors_from_nbval(chapter: str) -> None:
+    source = nbformat.read(COURSE.source_notebook(chapter), as_version=4)
+    tagged = [i for i, c in enumerate(source.cells) if "raises-exception" in c.metadata.get("tags", [])]
+    assert not tagged, (f"{chapter}: cells {tagged} of the instructor's notebook are tagged raises-exception, "
+                        "so nbval would pass them even when they fail; the release adds the tag")

@@ -86,29 +86,7 @@ def test_call_and_is_implemented() -> None:
     assert not testing.is_implemented(_todo, 1)
 
 
-def test_use_or_fallback_says_once_when_it_uses_the_reference(capsys: pytest.CaptureFixture[str]) -> None:
-    fn = testing.use_or_fallback(_todo, _ok)
-    assert fn(1) == 2 and fn(2) == 3
-    out = capsys.readouterr()
-    assert out.out.count("not done yet") == 1 and "_ok" in out.out and out.err == ""
-    done = testing.use_or_fallback(_ok, _bad)
-    assert done(1) == 2
-    assert capsys.readouterr().out == ""
-
-
 def test_python_floats_are_compared_in_double_precision() -> None:
     testing.assert_close(0.1 + 0.2, 0.3, rtol=1e-15, atol=0)
     with pytest.raises(AssertionError, match="dtype torch.float64"):
         testing.assert_close(1.0, 1.0 + 1e-9, rtol=1e-12, atol=0)
-
-
-def _fallback_in_rank() -> None:
-    testing.use_or_fallback(_todo, _ok)(1)
-
-
-def test_use_or_fallback_speaks_from_the_first_rank_only(capfd: pytest.CaptureFixture[str]) -> None:
-    from course_lib.dist import launch
-
-    launch(_fallback_in_rank, 2)
-    out = capfd.readouterr().out
-    assert out.count("not done yet") == 1 and "[rank 0]" in out, out
