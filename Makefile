@@ -63,9 +63,11 @@ lab: $(STAMP)
 lab-instructor: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=. $(LAB_FLAGS)
 
-# CPU tier: unit tests, release sync, grading end to end, and every solution notebook under nbval.
+# CPU tier: unit tests, release sync, grading end to end, every solution notebook under nbval, and
+# every released (blank) notebook under nbval: there only exercise cells, tagged raises-exception,
+# may raise, so a lecture cell that breaks without the student's code fails the suite.
 test: $(STAMP)
-	$(PY) -m pytest -n $(JOBS) --dist loadscope --nbval-lax -m "not gpu" tests solutions
+	$(PY) -m pytest -n $(JOBS) --dist loadscope --nbval-lax -m "not gpu" tests solutions notebooks
 
 # JupyterLab in headless Chromium: open a released notebook, run all cells, check for errors, screenshot.
 # (Also part of `make test` when chromium is installed; skipped there otherwise.)
@@ -73,12 +75,12 @@ test-browser: $(STAMP) browser-deps
 	$(PY) -m pytest -m browser tests/test_browser.py
 
 # GPU tier (on a CUDA machine): the tests marked gpu (kernels compiled, CUDA timing, grading every
-# solution on the GPU), and every solution notebook under nbval in GPU mode. The CPU-only tests are
+# solution on the GPU), and every solution and released notebook under nbval in GPU mode. The CPU-only tests are
 # `make test`'s. GPU_JOBS pytest workers and GPU_GRADE_JOBS grading kernels share the GPU.
 GPU_JOBS ?= 4
 GPU_GRADE_JOBS ?= 2
 test-gpu: $(STAMP)
-	GPU_GRADE_JOBS=$(GPU_GRADE_JOBS) $(PY) -m pytest -n $(GPU_JOBS) --dist loadscope --nbval-lax -m "gpu or notebook" -rf tests solutions
+	GPU_GRADE_JOBS=$(GPU_GRADE_JOBS) $(PY) -m pytest -n $(GPU_JOBS) --dist loadscope --nbval-lax -m "gpu or notebook" -rf tests solutions notebooks
 
 # Every solution notebook executed once, outputs kept, with its run time (docs/gpu-run.md's table).
 notebooks-run: $(STAMP)

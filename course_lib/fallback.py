@@ -139,13 +139,15 @@ class _Fallback:
 def use_or_fallback(student: T, reference: T, probe: Callable[[T], Any] | None = None) -> T:
     """``student`` where it works, else ``reference``, with a one-line note saying why.
 
-    A function comes back wrapped: each call runs the student's code, and the first call that
+    A function or class comes back wrapped: each call (a class's: building an instance) runs the
+    student's code, and the first call that
     raises where the reference does not (an exception the reference raises too, say ValueError
     for a bad argument, is the function's contract and passes through), or any call after a
     cell that used the function raised, runs the reference instead.
-    A class (or a function that must be decided before ranks start, since a rank's prints do
-    not reach the notebook) is decided now: the reference if a cell that used it raised or if
-    ``probe(student)`` raises NotImplementedError. Other exceptions of a probe count as done:
+    With a ``probe`` (for code that must be decided before ranks start, since a rank's prints
+    do not reach the notebook, or a class used other than by calling it) the choice is made
+    now and the object itself comes back: the reference if a cell that used the student's
+    raised or if ``probe(student)`` raises NotImplementedError. Other exceptions of a probe count as done:
     a probe may need a process group that the notebook's process does not have.
     """
     reason = failure_of(student)
@@ -162,7 +164,7 @@ def use_or_fallback(student: T, reference: T, probe: Callable[[T], Any] | None =
         except Exception:  # noqa: BLE001,S110 - implemented, it just cannot run here
             pass
         return student
-    if isinstance(student, type) or not callable(student):
+    if not callable(student):
         return student
     return _Fallback(student, reference)  # type: ignore[return-value]
 

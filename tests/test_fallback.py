@@ -107,10 +107,16 @@ def test_classes_and_probed_functions_are_decided_at_once(capsys: pytest.Capture
     assert "Todo is not done yet" in capsys.readouterr().out
     assert use_or_fallback(NeedsGroup, Reference, lambda c: c.build()) is NeedsGroup, \
         "a probe that needs a process group does not make a finished class fall back"
-    assert use_or_fallback(Reference, Todo) is Reference, "a class with no failure is used as it is"
+    assert isinstance(use_or_fallback(Reference, Todo)(), Reference), "a working class builds the student's instances"
+
+    class Unbuilt:
+        def __init__(self) -> None:
+            raise NotImplementedError
+
+    assert isinstance(use_or_fallback(Unbuilt, Reference)(), Reference), "an unfinished class builds the reference's"
     _as_if_from_notebook(NeedsGroup)
     fallback.record_cell("NeedsGroup.build()", AssertionError("wrong shape"), {"NeedsGroup": NeedsGroup}, "cell [3]")
-    assert use_or_fallback(NeedsGroup, Reference) is Reference
+    assert use_or_fallback(NeedsGroup, Reference, lambda c: c.build()) is Reference
 
 
 def test_the_decision_travels_with_a_pickled_wrapper() -> None:
