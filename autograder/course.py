@@ -69,6 +69,10 @@ class Course:
         return sorted(set(names)) if names else known
 
 
+# nbgrader's markers around the hidden part of a test cell.
+HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+
+
 def is_test_cell(cell: NotebookNode) -> bool:
     """True for an autograded test cell: a code cell marked ``grade`` and not ``solution``."""
     meta = cell.get("metadata", {}).get("nbgrader", {})

@@ -37,6 +37,9 @@ __all__ = ["TesterProcess", "TrustedExecute"]
 TRUNCATED = "\n[output truncated by the grader: the notebook printed more than {} MB]\n"
 # A line of output that the grader adds before the student's own printing in a test cell.
 STUDENT_OUTPUT_LABEL = "[printed by the notebook's code during the test]\n"
+# Said before a failing test's message: was the failing check one the student can read?
+HIDDEN_FAILURE = "[a hidden test case failed; its code is not shown] "
+VISIBLE_FAILURE = "[a visible test failed] "
 
 
 class TesterProcess:
@@ -154,4 +157,5 @@ def _judge(cell: NotebookNode, verdict: dict[str, Any]) -> None:
     if verdict.get("passed") is True and not verdict.get("error"):
         return
     name, value = (list(verdict.get("error") or []) + ["TestFailed", "the test failed"])[:2]
+    value = (HIDDEN_FAILURE if verdict.get("hidden") else VISIBLE_FAILURE) + str(value)
     cell.outputs.append(new_output("error", ename=str(name), evalue=str(value), traceback=[f"{name}: {value}"]))

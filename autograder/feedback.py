@@ -31,6 +31,16 @@ from nbgrader.preprocessors import ClearHiddenTests
 from traitlets import Bool
 
 from .course import is_test_cell
+from .maths import to_mathml
+
+# What the page may not load from elsewhere, and the style that makes long messages wrap.
+_REMOTE_SCRIPT = re.compile(r"<script\b[^>]*\bsrc\s*=\s*[\"']?(?:https?:)?//[^>]*>\s*</script>", re.I)
+_MATHJAX_CONFIG = re.compile(r"<script\b[^>]*type\s*=\s*[\"']text/x-mathjax-config[\"'][^>]*>.*?</script>", re.I | re.S)
+WRAP_STYLE = """<style type="text/css">
+  .output_area pre, .output_subarea pre, .jp-OutputArea-output pre { white-space: pre-wrap; overflow-wrap: anywhere; }
+  .output_subarea, .jp-OutputArea-output { overflow-x: visible; }
+</style>
+"""
 
 # The output data shown as they are: plain text, and images whose data is plain base64.
 INERT_IMAGES = ("image/png", "image/jpeg")
@@ -134,15 +144,40 @@ def _count(value: Any) -> int | None:
 
 
 class _InertRenderer(IPythonRenderer):
-    """nbconvert's markdown renderer with raw HTML escaped and mermaid blocks as plain code."""
+    """nbconvert's markdown renderer with raw HTML escaped, mermaid blocks as plain code and maths as MathML."""
 
     def block_mermaidjs(self, code: str) -> str:
         """A mermaid block, as a plain code block (mermaid's own rendering runs script)."""
         return super().block_code(code)
 
+    def block_math(self, body: str) -> str:
+        """Display maths, rendered here as MathML (the page loads no MathJax)."""
+        return to_mathml(body, display=True)
+
+    def inline_math(self, body: str) -> str:
+        """Inline maths, rendered here as MathML."""
+        return to_mathml(body, display=False)
+
+    def latex_environment(self, name: str, body: str) -> str:
+        """A ``\\begin{name}...\\end{name}`` block, as display maths."""
+        return to_mathml(f"\\begin{{{name}}}{body}\\end{{{name}}}", display=True)
+
 
 class InertHTMLExporter(HTMLExporter):
-    """nbconvert's HTML exporter, rendering markdown with ``_InertRenderer``: no raw HTML, no harmful links."""
+    """nbconvert's HTML exporter with ``_InertRenderer`` (no raw HTML, no harmful links), on a page that fetches nothing.
+
+    The page is nbgrader's feedback template less its scripts from a CDN (require.js, MathJax:
+    maths is MathML rendered here), with output text that wraps instead of scrolling sideways.
+    Every ``<script src=...>`` left in the page comes from the template: the submission's own
+    content is escaped text by then.
+    """
+
+    def from_notebook_node(self, nb: NotebookNode, resources: Any = None, **kw: Any) -> tuple[str, ResourcesDict]:
+        """The page, with remote scripts and MathJax's configuration removed and the wrapping style added."""
+        body, resources = super().from_notebook_node(nb, resources, **kw)
+        body = _REMOTE_SCRIPT.sub("", body)
+        body = _MATHJAX_CONFIG.sub("", body)
+        return body.replace("</head>", WRAP_STYLE + "</head>", 1), resources
 
     @pass_context
     def markdown2html(self, context: Any, source: str) -> str:

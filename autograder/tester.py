@@ -44,7 +44,7 @@ import cloudpickle
 from . import wire
 from .agent import REFERENCE_MESSAGE
 from .config import SECRET_VARIABLE
-from .course import is_test_cell, read_notebook
+from .course import HIDDEN_BEGIN, HIDDEN_END, is_test_cell, read_notebook
 
 __all__ = ["RemoteObject", "Tester", "main"]
 
@@ -515,6 +515,7 @@ class Tester:
             verdict["passed"] = True
         except BaseException as exc:  # every way of failing is the verdict of this cell, never the tester's end
             verdict["error"] = [type(exc).__name__, str(exc)[:4000]]
+            verdict["hidden"] = _failed_in_hidden_part(exc, f"<test {grade_id}>", self.tests[grade_id])
             if not isinstance(exc, (AssertionError, TimeoutError, ChannelClosed, NameError, wire.WireError)):
                 verdict["traceback"] = traceback.format_exception_only(type(exc), exc)[-1][:4000]
         finally:
@@ -544,6 +545,31 @@ class Tester:
             if hello == ["hello", token]:
                 return sock
             sock.close()
+
+
+def _hidden_lines(source: str) -> set[int]:
+    """The 1-based line numbers of ``source`` between its BEGIN and END HIDDEN TESTS markers."""
+    lines, inside = set(), False
+    for number, line in enumerate(source.splitlines(), start=1):
+        if HIDDEN_BEGIN in line:
+            inside = True
+        elif HIDDEN_END in line:
+            inside = False
+        elif inside:
+            lines.add(number)
+    return lines
+
+
+def _failed_in_hidden_part(exc: BaseException, filename: str, source: str) -> bool:
+    """Whether the test cell's statement that was running when ``exc`` was raised is a hidden test.
+
+    The outermost frame of the cell's own code is the top-level statement that ran; a helper
+    defined among the visible checks and called from a hidden one counts as hidden. Read from
+    the tester's own traceback: nothing the student's kernel sends decides it.
+    """
+    frames = traceback.extract_tb(exc.__traceback__)
+    cell_lines = [f.lineno for f in frames if f.filename == filename and f.lineno is not None]
+    return bool(cell_lines) and cell_lines[0] in _hidden_lines(source)
 
 
 def _parse(source: str) -> ast.Module:

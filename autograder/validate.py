@@ -19,10 +19,9 @@ from pathlib import Path
 from nbformat import NotebookNode
 
 from .config import DEFAULT_CELL_TIMEOUT, course_environment, nbgrader_config
-from .course import is_test_cell, read_notebook
+from .course import HIDDEN_BEGIN, is_test_cell, read_notebook
 
 STDERR_PROBLEM = "wrote to stderr, which nbgrader scores as a failure"
-HIDDEN_MARKER = "BEGIN HIDDEN TESTS"
 _FALLBACK_NOTE = re.compile(r"^note: (\S+) .*using the reference", re.MULTILINE)
 
 
@@ -85,7 +84,7 @@ def inspect_notebook(nb: NotebookNode) -> Validation:
         if is_test_cell(cell):
             score, max_score = determine_grade(cell)
             result.tests.append(CellOutcome(meta["grade_id"], score or 0.0, max_score, _problem(cell)))
-            result.has_hidden_tests |= HIDDEN_MARKER in cell.source
+            result.has_hidden_tests |= HIDDEN_BEGIN in cell.source
             continue
         error = _error(cell)
         if error:

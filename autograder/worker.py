@@ -105,7 +105,7 @@ def failed_tests(autograded: Path, limit: int = 3) -> str:
     for cell in read_notebook(autograded).cells if autograded.is_file() else []:
         errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
         if is_test_cell(cell) and errors:
-            failed.append(f"{cell.metadata.nbgrader['grade_id']} ({errors[0].ename}: {errors[0].evalue})"[:160])
+            failed.append(f"{cell.metadata.nbgrader['grade_id']} ({errors[0].ename}: {errors[0].evalue})")
     return ", ".join(failed[:limit]) + (f" and {len(failed) - limit} more" if len(failed) > limit else "")
 
 

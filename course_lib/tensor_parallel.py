@@ -66,7 +66,6 @@ __all__ = [
     "regroup_qkv_for_sharding",
     "scatter_to_parallel_region",
     "shard_range",
-    "student_or_reference",
     "tp_comm_bytes_per_layer",
     "vocab_parallel_cross_entropy",
     "warm_up_autograd",
@@ -530,13 +529,6 @@ def count_collectives() -> Iterator[CommLog]:
 # --------------------------------------------------------------------------------------------
 # Running checks in ranks
 # --------------------------------------------------------------------------------------------
-
-
-def student_or_reference(student: T, reference: T, probe: Callable[[T], Any]) -> T:
-    """TRANSITIONAL: ``course_lib.fallback.use_or_fallback(student, reference, probe)``."""
-    from course_lib.fallback import use_or_fallback
-
-    return use_or_fallback(student, reference, probe)
 
 
 def warm_up_autograd() -> None:

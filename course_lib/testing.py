@@ -1,4 +1,4 @@
-"""Helpers for exercise tests: comparisons that explain themselves, and the reference fallback.
+"""Helpers for exercise tests: comparisons that explain themselves (the reference fallback is ``course_lib.fallback``).
 
 A failing check raises ``AssertionError`` with a message meant for the student:
 what was expected, what came back, and where the two differ.
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from course_lib.fallback import describe, use_or_fallback  # TRANSITIONAL: notebooks move to course_lib.fallback
+from course_lib.fallback import describe
 
 # Default tolerances per dtype: about a few units in the last place of each format.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {

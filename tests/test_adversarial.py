@@ -19,7 +19,9 @@ case needs a writable pids cgroup (CI containers without one: skipped, see the t
 from __future__ import annotations
 
 import csv
+import html
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -382,3 +384,23 @@ def test_grading_resumes_without_regrading(graded: Graded) -> None:
     )
     assert process.stdout.count("(from an earlier run)") == len(CHEATS) + 3, process.stdout
     print(f"adversarial grading run: {graded.seconds:.0f} s")
+
+
+def test_feedback_says_whether_a_hidden_or_a_visible_case_failed(graded: Graded) -> None:
+    hidden = html.unescape((graded.out / "feedback" / "visible_only" / f"{TINY}.html").read_text(encoding="utf-8"))
+    assert "a hidden test case failed; its code is not shown" in hidden, "a hidden failure must be marked as such"
+    visible = html.unescape((graded.out / "feedback" / "honest_wrong" / f"{JUDGE}.html").read_text(encoding="utf-8"))
+    assert "a visible test failed" in visible and "hidden test case failed" not in visible
+    row = graded.rows["honest_wrong", JUDGE]
+    assert "[a visible test failed]" in row["message"] and "atol=" in row["message"], \
+        f"grades.csv must keep the whole message, not cut it: {row['message']!r}"
+
+
+def test_feedback_pages_fetch_nothing_and_wrap_long_messages(graded: Graded) -> None:
+    pages = sorted((graded.out / "feedback").rglob("*.html"))
+    assert pages
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        remote = re.findall(r"<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)\s*=\s*[\"']?(?:https?:)?//", text, re.I)
+        assert not remote, f"{page.name} loads {remote[:3]} from the network: it must read well offline"
+        assert "pre-wrap" in text, f"{page.name}: long messages must wrap"

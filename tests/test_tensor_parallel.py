@@ -248,23 +248,6 @@ def test_launch_checked_reports_plainly() -> None:
     assert tp.launch_checked(dist.get_rank, 2) == [0, 1]
 
 
-def test_student_or_reference_falls_back_only_when_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:
-    class Todo:
-        @classmethod
-        def build(cls) -> None:
-            raise NotImplementedError()
-
-    class NeedsGroup:
-        @classmethod
-        def build(cls) -> None:
-            raise RuntimeError("Default process group has not been initialized")
-
-    assert tp.student_or_reference(Todo, tp.ParallelMLP, lambda c: c.build()) is tp.ParallelMLP
-    assert "Todo is not done yet" in capsys.readouterr().out
-    assert tp.student_or_reference(NeedsGroup, tp.ParallelMLP, lambda c: c.build()) is NeedsGroup
-    assert capsys.readouterr().out == ""
-
-
 # ---- the torchrun entry -------------------------------------------------------------------------
 
 
