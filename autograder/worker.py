@@ -99,14 +99,14 @@ def grade_submission(scratch: Path, source_dir: Path, chapter: str, student: str
         }
 
 
-def failed_tests(autograded: Path, limit: int = 3) -> str:
-    """``grade_id (Error: message)`` of the first failing test cells of a graded notebook, for grades.csv."""
+def failed_tests(autograded: Path) -> str:
+    """``grade_id (Error: message)`` of every failing test cell of a graded notebook, messages whole (grades.csv)."""
     failed = []
     for cell in read_notebook(autograded).cells if autograded.is_file() else []:
         errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
         if is_test_cell(cell) and errors:
             failed.append(f"{cell.metadata.nbgrader['grade_id']} ({errors[0].ename}: {errors[0].evalue})")
-    return ", ".join(failed[:limit]) + (f" and {len(failed) - limit} more" if len(failed) > limit else "")
+    return ", ".join(failed)
 
 
 def main(argv: list[str] | None = None) -> int:

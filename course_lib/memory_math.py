@@ -275,8 +275,8 @@ class SavedBytesTracker:
     ``torch.utils.checkpoint`` pushes saved-tensor hooks of its own, which hide from an outer hook
     the tensors it recomputes during the backward pass. So while the tracker is active it also
     wraps the pack hook of every saved-tensor hook context entered inside it (checkpoint's
-    included): a tensor that such a hook keeps as a tensor counts until that tensor object is
-    freed; one it swaps for something else (checkpoint's forward placeholder) does not count.
+    included): a tensor that such a hook keeps as a tensor counts until that tensor is freed; one
+    it swaps for something else (checkpoint's placeholder in the forward pass) does not count.
     Parameters are recognised by ``is_parameter_storage``, plus the parameters of ``model``.
     """
 
@@ -286,7 +286,7 @@ class SavedBytesTracker:
         self._parameter_keys = _parameter_keys(model)
         self._refs: dict[tuple[str, int], int] = {}
         self._bytes: dict[tuple[str, int], int] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a finalizer may run while this thread holds it
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._original_push: Callable[..., Any] | None = None
 
@@ -320,8 +320,14 @@ class SavedBytesTracker:
 
     def _wrap(self, pack: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
         def counting_pack(t: torch.Tensor) -> Any:
-            kept = pack(t)
-            if isinstance(kept, (torch.Tensor, _Held)):
+            try:
+                kept = pack(t)
+            except Exception:
+                # checkpoint's recomputation hook stores the last tensor it needs (a detached copy we
+                # cannot see), then stops the recomputation by raising: count it while its memory lives
+                self._count(t, t.untyped_storage())
+                raise
+            if isinstance(kept, (torch.Tensor, _Held)):  # _Held: a tracker inside this one
                 self._count(t, kept)
             return kept
 

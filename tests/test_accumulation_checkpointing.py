@@ -1,8 +1,11 @@
 """Tests of course_lib.accumulation_checkpointing (chapter 07)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from course_lib import accumulation_checkpointing as ac
 from course_lib.models import MLP
@@ -95,6 +98,50 @@ def test_checkpointing_saves_less():
     assert ck < plain
 
 
+def _gelu_chain(n_layers, width, seed=0):
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n_layers)]
+
+
+def test_plain_peak_is_every_layers_saved_bytes():
+    layers = _gelu_chain(6, 32)
+    x = torch.randn(8, 32, requires_grad=True)
+    peak = ac.peak_saved_bytes(lambda t: ac.plain_sequential(layers, t), x)
+    # each layer keeps its Linear's input and its GELU's input, 8 x 32 float32 each; no weights
+    assert peak == ac.saved_bytes(lambda t: ac.plain_sequential(layers, t), x) == 6 * 2 * 8 * 32 * 4
+
+
+@pytest.mark.parametrize(("n_layers", "segments"), [(16, 4), (16, 1), (16, 16), (10, 3), (9, 2)])
+def test_checkpointed_peak_counts_the_recomputation_and_follows_the_model(n_layers, segments):
+    layers = _gelu_chain(n_layers, 32)
+    x = torch.randn(8, 32, requires_grad=True)
+    input_bytes = x.numel() * 4
+    layer_bytes = ac.saved_bytes(lambda t: ac.plain_sequential(layers, t), x) / n_layers
+    measured = ac.peak_saved_bytes(lambda t: ac.checkpointed_sequential(layers, segments, t), x)
+    kept_after_forward = ac.saved_bytes(lambda t: ac.checkpointed_sequential(layers, segments, t), x)
+    model = ac.peak_activation_model(n_layers, layer_bytes, input_bytes, segments)
+    longest = max(e - s for s, e in ac.segment_bounds(n_layers, segments))
+    # the recomputed segment is counted: the longest one is live at once, above what the forward keeps
+    assert measured >= longest * layer_bytes and measured > kept_after_forward
+    # the model counts the recomputed segment's input twice (kept, and saved by its first Linear)
+    # and assumes the longest segment is recomputed while every input is kept; it is the first
+    # segment, recomputed last: at most one input and one layer above the measurement
+    assert model - input_bytes - layer_bytes <= measured <= model - input_bytes
+    if n_layers % segments == 0:
+        assert measured == model - input_bytes
+    plain = ac.peak_saved_bytes(lambda t: ac.plain_sequential(layers, t), x)
+    assert measured < plain if segments > 1 else measured == plain  # one segment: all recomputed at once
+
+
+def test_peak_saved_bytes_does_not_count_a_parameter_view():
+    w = nn.Parameter(torch.randn(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    # x @ w.t() saves x and the view w.t(); only x is an activation
+    assert ac.peak_saved_bytes(lambda t: t @ w.t(), x) == 4 * 16 * 4
+    assert ac.peak_saved_bytes(lambda t: checkpoint(lambda u: torch.tanh(u @ w.t()), t, use_reentrant=False), x) \
+        == 4 * 16 * 4 + 4 * 16 * 4  # recomputed: x (the kept input, once) and tanh's output
+
+
 def test_peak_model_and_best():
     assert ac.peak_activation_model(16, 4, 1, None) == 64
     assert ac.peak_activation_model(16, 4, 1, 4) == 4 + 16
@@ -133,3 +180,17 @@ def test_sum_reduction():
         torch.testing.assert_close(a, f)
     with pytest.raises(ValueError):
         ac.accumulated_gradients(model, loss, batch, 4, reduction="max")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_peak_saved_bytes_on_cuda_equals_the_cpus_and_stays_under_the_allocators():
+    layers_cpu = _gelu_chain(8, 64)
+    layers = [copy.deepcopy(m).cuda() for m in layers_cpu]
+    x = torch.randn(16, 64, requires_grad=True)
+    x_cuda = x.detach().cuda().requires_grad_(True)
+    for segments in (1, 2, 3, 8):
+        on_cpu = ac.peak_saved_bytes(lambda t: ac.checkpointed_sequential(layers_cpu, segments, t), x)
+        on_gpu = ac.peak_saved_bytes(lambda t: ac.checkpointed_sequential(layers, segments, t), x_cuda)
+        assert on_gpu == on_cpu, (segments, on_gpu, on_cpu)
+        assert on_gpu <= ac.cuda_peak_bytes(lambda t: ac.checkpointed_sequential(layers, segments, t), x_cuda)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nbformat
 
 from autograder.execute import HIDDEN_FAILURE, VISIBLE_FAILURE, _judge
@@ -77,3 +79,91 @@ def test_the_feedback_page_fetches_nothing_renders_maths_and_wraps() -> None:
     assert "<script" not in page, "nothing on the page runs"
     assert page.count("<math") == 2 and "$" not in re.sub(r"<[^>]+>", "", page.split("<body", 1)[1]).replace("$$", "")
     assert "white-space: pre-wrap" in page and "got 13.0, expected 15.0" in page
+
+
+# A test cell of a tiny exercise, and a wrong answer that passes its visible check only.
+DOUBLE_TEST = """\
+assert double(2) == 4, f"double(2) gave {double(2)}, expected 4"
+### BEGIN HIDDEN TESTS
+assert double(-7) == -14, f"double(-7) gave {double(-7)}, expected -14"
+### END HIDDEN TESTS"""
+HIDDEN_CODE = "assert double(-7) == -14"
+
+
+def _judged_cell(double: object) -> nbformat.NotebookNode:
+    """The test cell after the tester ran it against ``double`` and the judge gave it its outputs."""
+    grade_id = "ex1_double"
+    verdict: dict[str, object] = {"grade_id": grade_id, "passed": False, "error": None}
+    try:
+        exec(compile(DOUBLE_TEST, f"<test {grade_id}>", "exec"), {"double": double})
+        verdict["passed"] = True
+    except AssertionError as exc:
+        verdict["error"] = [type(exc).__name__, str(exc)]
+        verdict["hidden"] = _failed_in_hidden_part(exc, f"<test {grade_id}>", DOUBLE_TEST)
+    cell = nbformat.v4.new_code_cell(DOUBLE_TEST, metadata={"nbgrader": {
+        "grade": True, "solution": False, "locked": True, "points": 1, "grade_id": grade_id, "score": 0}})
+    _judge(cell, verdict)
+    return cell
+
+
+def _feedback_page(cells: list[nbformat.NotebookNode]) -> str:
+    """The feedback HTML of a notebook of ``cells``, through the preprocessors and exporter the grader configures."""
+    from nbgrader.converters import GenerateFeedback
+
+    from autograder.config import nbgrader_config
+    from autograder.feedback import InertHTMLExporter, InertOutputs, RedactHiddenTests
+
+    config = GenerateFeedback(config=nbgrader_config(".")).config
+    nb = nbformat.v4.new_notebook(cells=cells)
+    resources = {"nbgrader": {"notebook": "ch", "score": 0, "max_score": 1, "late_penalty": 0}}
+    for step in (RedactHiddenTests(config=config), InertOutputs(config=config)):
+        nb, resources = step.preprocess(nb, resources)
+    return InertHTMLExporter(config=config).from_notebook_node(nb, resources=resources)[0]
+
+
+def _page_text(page: str) -> str:
+    """What a reader sees of an HTML page: its text, tags removed (syntax highlighting splits code into spans)."""
+    import html
+    import re
+
+    return html.unescape(re.sub(r"<[^>]+>", "", page))
+
+
+def test_a_hidden_failure_is_marked_in_the_feedback_without_its_code() -> None:
+    import re
+
+    page = _page_text(_feedback_page([_judged_cell(lambda x: abs(2 * x))]))
+    assert HIDDEN_FAILURE.strip() in page and "double(-7) gave 14, expected -14" in page, "say which case failed"
+    assert VISIBLE_FAILURE.strip() not in page
+    assert "assert double(2) == 4" in page, "the visible checks stay shown"
+    assert HIDDEN_CODE not in page and "HIDDEN TESTS" not in page, "the hidden code never shows"
+    assert not re.search(r"line \d+|<test ex1_double>", page), "no line number or file name of the cell's code"
+
+
+def test_a_visible_failure_is_marked_as_visible() -> None:
+    page = _page_text(_feedback_page([_judged_cell(lambda x: x + 1)]))
+    assert VISIBLE_FAILURE.strip() in page and "double(2) gave 3, expected 4" in page
+    assert HIDDEN_FAILURE.strip() not in page and HIDDEN_CODE not in page
+
+
+def test_grades_csv_keeps_every_failure_message_whole(tmp_path: Path) -> None:
+    import csv
+
+    from autograder.grade import Grade, write_grades
+    from autograder.worker import failed_tests
+
+    messages = [f"case {i}: got 13.0, expected 15.0 at index (3, {i}); " + "the sum drifts, " * 20 + "see the docstring"
+                for i in range(5)]
+    messages.append("=1+1 is not a formula here,\nand this line stays")
+    cells = [nbformat.v4.new_code_cell("check()", metadata={"nbgrader": {"grade": True, "solution": False,
+                                                                          "grade_id": f"ex{i}", "points": 1}},
+                                       outputs=[nbformat.v4.new_output("error", ename="AssertionError", evalue=m)])
+             for i, m in enumerate(messages)]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), tmp_path / "graded.ipynb")
+    summary = failed_tests(tmp_path / "graded.ipynb")
+    assert summary == ", ".join(f"ex{i} (AssertionError: {m})" for i, m in enumerate(messages)), summary
+    write_grades([Grade("=student", "ch", 0, 6, "ok", summary)], tmp_path, {})
+    with open(tmp_path / "grades.csv", newline="", encoding="utf-8") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["message"] == summary, "the message comes back whole: no cut, commas and newlines quoted"
+    assert row["student_id"] == "'=student", "a cell that starts like a formula is still escaped"

@@ -199,6 +199,52 @@ def test_parameters_and_their_views_are_excluded_and_dtypes_count() -> None:
     assert mm.measure_saved_activation_bytes(model.to(torch.bfloat16), x.to(torch.bfloat16)) == 2 * 36 * 2
 
 
+def test_parameters_are_excluded_whatever_callable_counts() -> None:
+    # a plain function that uses modules' weights: no nn.Module is handed over, yet the
+    # transposed weights a Linear saves are still the parameters' memory
+    layers = [nn.Linear(8, 8) for _ in range(3)]
+    x = torch.randn(5, 8, requires_grad=True)
+
+    def chain(t: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            t = torch.relu(layer(t))
+        return t
+
+    saved = mm.saved_tensors(chain, x)
+    assert any(r.is_parameter for r in saved)
+    # x, and each ReLU output (saved by the ReLU and by the next Linear: once)
+    assert mm.measure_saved_activation_bytes(chain, x) == (1 + 3) * 5 * 8 * 4
+    assert mm.measure_saved_activation_bytes(chain, x) == mm.measure_saved_activation_bytes(nn.Sequential(
+        *[m for layer in layers for m in (layer, nn.ReLU())]), x)
+    w = layers[0].weight
+    assert mm.is_parameter_storage(w) and mm.is_parameter_storage(w.t()) and mm.is_parameter_storage(w[0])
+    assert not mm.is_parameter_storage(w.detach().clone()) and not mm.is_parameter_storage(x)
+    assert mm.is_parameter_storage(w.detach(), {mm.storage_key(w)})
+
+
+def test_tracker_peak_is_the_saved_total_and_falls_back_to_zero() -> None:
+    net = MLP([16, 32, 32, 4], nn.GELU, seed=0)
+    x = torch.randn(6, 16, requires_grad=True)
+    with mm.SavedBytesTracker() as tracker:
+        out = net(x).sum()  # a sum saves nothing
+        after_forward = tracker.live
+        out.backward()
+    assert after_forward == tracker.peak == mm.measure_saved_activation_bytes(net, x)
+    assert tracker.live == 0  # every saved tensor was freed by the backward pass
+
+
+def test_tracker_counts_a_storage_once_and_skips_parameter_views() -> None:
+    w = nn.Parameter(torch.randn(4, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    with mm.SavedBytesTracker() as tracker:
+        y = x.exp()  # saves its output y
+        z = (y[:, :4] * y[:, 4:]) @ w[:, :4].t()  # two views of y's storage; a view of w
+        peak_before_backward = tracker.peak
+        z.sum().backward()
+    assert peak_before_backward == tracker.peak == 4 * 8 * 4 + 4 * 4 * 4  # y, and the product (saved by @)
+    assert tracker.live == 0
+
+
 def test_dropout_keeps_a_mask_only_when_training() -> None:
     net = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
     x = torch.randn(2, 8)
