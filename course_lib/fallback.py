@@ -47,7 +47,10 @@ _CALLED: weakref.WeakSet[_Fallback] = weakref.WeakSet()
 
 def describe(obj: Any) -> str:
     """The name a student knows ``obj`` by: ``Class.method`` for methods, the plain name otherwise."""
-    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
+    qualname, name = getattr(obj, "__qualname__", None), getattr(obj, "__name__", None)
+    if isinstance(qualname, str) and "." in qualname and "<locals>" not in qualname:
+        return qualname  # a method: ColumnParallelLinear.from_linear
+    return name or qualname or repr(obj)
 
 
 def _reference_name(obj: Any) -> str:
