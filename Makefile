@@ -76,7 +76,8 @@ test-browser: $(STAMP) browser-deps
 
 # GPU tier (on a CUDA machine): the tests marked gpu (kernels compiled, CUDA timing, grading every
 # solution on the GPU), and every solution and released notebook under nbval in GPU mode. The CPU-only tests are
-# `make test`'s. GPU_JOBS pytest workers and GPU_GRADE_JOBS grading kernels share the GPU.
+# `make test`'s. GPU_JOBS pytest workers and GPU_GRADE_JOBS grading kernels share the GPU; the notebooks that need
+# much GPU memory (tests/gpu_memory.json) take turns (a lock file, conftest.py).
 GPU_JOBS ?= 4
 GPU_GRADE_JOBS ?= 2
 test-gpu: $(STAMP)

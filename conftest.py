@@ -1,5 +1,6 @@
-"""Test-wide set-up: the `gpu` marker, the pinned outputs that nbval checks in solution notebooks, and a
-closing line when the grader's security suite could not run (no bubblewrap).
+"""Test-wide set-up: the `gpu` marker, the pinned outputs that nbval checks in solution notebooks, the
+turns that keep the GPU tier within one GPU's memory, and a closing line when the grader's security
+suite could not run (no bubblewrap).
 
 Solution notebooks are committed without outputs, so a cell marked `# NBVAL_CHECK_OUTPUT` would
 have nothing to be compared with. Its expected output lives instead in
@@ -7,7 +8,10 @@ have nothing to be compared with. Its expected output lives instead in
 the cell here before nbval runs it.
 """
 
+import fcntl
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -15,6 +19,50 @@ import pytest
 import torch
 
 PINNED = Path(__file__).parent / "tests" / "pinned_outputs"
+
+# Notebooks that held more than this much GPU memory (tests/gpu_memory.json) run one at a time in the
+# GPU tier: together they need more than one GPU has, and a kernel that runs out fails a cell of whichever
+# notebook asked last (four OOM failures in a run of eight workers). Taking turns, a run of eight workers
+# used at most 78 of the H200's 140 GiB (peak_total_mib). The turn is a lock file every pytest worker on the host shares.
+LARGE_MIB = 16 * 1024
+LARGE_LOCK = Path(tempfile.gettempdir()) / f"course-gpu-memory-{os.getuid()}.lock"
+
+
+def large_gpu_chapters() -> set[str]:
+    """The chapters whose solution notebook held more than LARGE_MIB of GPU memory when measured."""
+    record = json.loads((Path(__file__).parent / "tests" / "gpu_memory.json").read_text())
+    return {chapter for chapter, mib in record["peak_mib"].items() if mib > LARGE_MIB}
+
+
+_LARGE = large_gpu_chapters()
+_held: dict[str, object] = {}  # the open lock file, while this worker runs a large item
+
+
+def _needs_turn(item: pytest.Item) -> bool:
+    path = Path(str(item.fspath))
+    return (path.suffix == ".ipynb" and path.stem in _LARGE) or item.get_closest_marker("large_gpu_memory") is not None
+
+
+def _unit(item: pytest.Item) -> str:
+    """What holds the turn: a whole notebook (its kernel lives from the first cell to the last), else one test."""
+    return str(item.fspath) if str(item.fspath).endswith(".ipynb") else item.nodeid
+
+
+@pytest.hookimpl(tryfirst=True)  # before nbval's collector starts the notebook's kernel
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """On a GPU, wait for the large-memory turn before the first cell of a large notebook or a large test."""
+    if torch.cuda.is_available() and _needs_turn(item) and _held.get("unit") != _unit(item):
+        lock = open(LARGE_LOCK, "a")  # noqa: SIM115 (held across hooks, closed in teardown)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _held.update(unit=_unit(item), file=lock)
+
+
+@pytest.hookimpl(trylast=True)  # after the kernel of a finished notebook has been shut down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Give the turn back once the large notebook or test is over."""
+    if _held and (nextitem is None or _unit(nextitem) != _held["unit"]):
+        _held.pop("file").close()  # closing the file releases the lock
+        _held.clear()
 
 
 def _pin_expected_outputs(item: pytest.Item, cache: dict[str, dict]) -> None:
