@@ -5,6 +5,34 @@ One module per topic; a chapter's notebook imports what it needs, starting with 
 
 import os as _os
 
+# The topics are submodules: ``from course_lib import env, models``.
+__all__ = [
+    "accumulation_checkpointing",
+    "activations",
+    "attention",
+    "capstone",
+    "collectives",
+    "context_parallel",
+    "data_parallel",
+    "data_pipelines",
+    "dist",
+    "env",
+    "fallback",
+    "floating_point",
+    "hybrid",
+    "kernels",
+    "memory_math",
+    "mixed_precision",
+    "models",
+    "optimizers",
+    "orientation",
+    "pipeline_parallel",
+    "planner",
+    "profiling",
+    "tensor_parallel",
+    "testing",
+]
+
 # Ask torch to count GPUs through NVML rather than the CUDA runtime: a CUDA-runtime query
 # initialises the driver, after which forked processes (the ranks of course_lib.dist.launch,
 # DataLoader workers) cannot use the GPU.

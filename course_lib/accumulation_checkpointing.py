@@ -283,7 +283,7 @@ def cuda_peak_bytes(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor)
 
 
 def peak_saved_bytes(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
-    """Peak live saved-activation bytes over one forward and backward pass of ``fn`` on ``x``, recomputation included (measured)."""
+    """Peak live saved-activation bytes over one forward and backward pass of ``fn`` on ``x``, recomputation included."""
     with mm.SavedBytesTracker() as tracker:
         forward_backward(fn, x)
     return tracker.peak

@@ -16,6 +16,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = [
+    "ACTIVATIONS",
+    "DERIVATIVES",
+    "derivative",
+    "naive_softmax",
+    "softmax",
+    "log_softmax",
+    "init_linear_",
+    "layer_grad_norms",
+    "dead_unit_fraction",
+]
+
 # The element-wise activations the chapter compares, by name.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid,

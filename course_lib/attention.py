@@ -20,6 +20,19 @@ import math
 
 import torch
 
+__all__ = [
+    "causal_mask",
+    "attention_scores",
+    "naive_attention",
+    "attention_lse",
+    "online_softmax_stats",
+    "online_softmax",
+    "tiled_attention",
+    "tiled_attention_backward",
+    "merge_attention",
+    "causal_tile_counts",
+]
+
 
 def _acc(t: torch.Tensor) -> torch.dtype:
     """Accumulation dtype: fp64 stays fp64, everything else is computed in fp32."""
@@ -101,7 +114,7 @@ def tiled_attention(
     """(output, logsumexp) of attention, computed block by block without an N x N tensor.
 
     For each block of ``block_q`` queries, K/V blocks of ``block_k`` keys are folded in with an
-    online softmax: running max ``m``, running sum ``l``, accumulator ``acc`` rescaled by
+    online softmax: running max ``m``, running sum ``l_i``, accumulator ``acc`` rescaled by
     exp(m_old - m_new). Under a causal mask, key blocks entirely above the diagonal are skipped.
     """
     if block_q < 1 or block_k < 1:
@@ -116,7 +129,7 @@ def tiled_attention(
         qe = min(qs + block_q, n_q)
         qb = qf[..., qs:qe, :]
         m = torch.full(qb.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
-        l = torch.zeros(qb.shape[:-1], dtype=acc_dtype, device=q.device)
+        l_i = torch.zeros(qb.shape[:-1], dtype=acc_dtype, device=q.device)
         acc = torch.zeros(qb.shape[:-1] + (v.shape[-1],), dtype=acc_dtype, device=q.device)
         k_end = min(qe, n_k) if causal else n_k  # causal: keys past the block's last query are never seen
         for ks in range(0, k_end, block_k):
@@ -130,11 +143,11 @@ def tiled_attention(
             safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             alpha = torch.exp(m - safe)
             p = torch.exp(s - safe[..., None])
-            l = l * alpha + p.sum(dim=-1)
+            l_i = l_i * alpha + p.sum(dim=-1)
             acc = acc * alpha[..., None] + p @ vf[..., ks:ke, :]
             m = m_new
-        out[..., qs:qe, :] = acc / l[..., None]
-        lse[..., qs:qe] = m + torch.log(l)
+        out[..., qs:qe, :] = acc / l_i[..., None]
+        lse[..., qs:qe] = m + torch.log(l_i)
     return out.to(q.dtype), lse
 
 

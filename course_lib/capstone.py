@@ -175,15 +175,15 @@ def train(
         sync()
         elapsed = time.perf_counter() - start if run.steps else float("nan")
     step_s = elapsed / max(run.steps, 1)
-    peak, source = peak or peak_flops(device)
+    peak_rate, source = peak if peak is not None else peak_flops(device)
     tokens = run.batch_size * cfg.seq_len
     return RunResult(
         config=run,
         losses=[float(v) for v in losses],
         step_s=step_s,
         tokens_per_s=tokens / step_s,
-        mfu=flops_per_step(cfg, run.batch_size) / step_s / peak,
-        peak_flops=peak,
+        mfu=flops_per_step(cfg, run.batch_size) / step_s / peak_rate,
+        peak_flops=peak_rate,
         peak_source=source,
         params=model.num_params(),
         device=str(device),

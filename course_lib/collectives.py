@@ -33,6 +33,36 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+__all__ = [
+    "ALGORITHMS",
+    "chunk_sizes",
+    "broadcast_p2p",
+    "scatter_p2p",
+    "gather_p2p",
+    "reduce_p2p",
+    "all_gather_p2p",
+    "reduce_scatter_p2p",
+    "ring_reduce_scatter",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "allreduce_steps",
+    "allreduce_message_bytes",
+    "allreduce_bytes_per_rank",
+    "allreduce_cost",
+    "fit_alpha_beta",
+    "BUS_FACTORS",
+    "algorithm_bandwidth",
+    "bus_bandwidth",
+    "COLLECTIVES",
+    "rank_input",
+    "expected_result",
+    "ANY",
+    "check_collective",
+    "time_in_ranks",
+    "ping_pong",
+    "main",
+]
+
 ALGORITHMS = ("naive", "direct", "ring", "tree")
 
 
@@ -152,10 +182,10 @@ def reduce_p2p(t: torch.Tensor, dst: int = 0) -> torch.Tensor:
             buf = torch.empty_like(t, memory_format=torch.contiguous_format)
             dist.recv(buf, src)
             received[src] = buf
-    total = None
-    for src in range(world):
-        part = t if src == dst else received[src]
-        total = part.clone() if total is None else total + part
+    parts = [t if src == dst else received[src] for src in range(world)]
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total = total + part
     t.copy_(total)
     return t
 
@@ -187,7 +217,8 @@ def reduce_scatter_p2p(t: torch.Tensor) -> torch.Tensor:
     chunks = torch.tensor_split(t, world)
     bufs = {src: torch.empty_like(chunks[rank], memory_format=torch.contiguous_format) for src in range(world) if src != rank}
     ops = [dist.P2POp(dist.irecv, buf, src) for src, buf in bufs.items() if buf.numel() > 0]
-    ops += [dist.P2POp(dist.isend, chunks[dst].contiguous(), dst) for dst in range(world) if dst != rank and chunks[dst].numel() > 0]
+    ops += [dist.P2POp(dist.isend, chunks[dst].contiguous(), dst)
+            for dst in range(world) if dst != rank and chunks[dst].numel() > 0]
     _post_together(ops)
     total = None
     for src in range(world):
@@ -442,22 +473,22 @@ def _torch_version_of(collective: str, x: torch.Tensor, root: int) -> Any:
         dist.all_gather(out, y)
         return out
     if collective == "gather":
-        out = [torch.empty_like(y) for _ in range(world)] if rank == root else None
-        dist.gather(y, out, dst=root)
-        return out
+        gathered = [torch.empty_like(y) for _ in range(world)] if rank == root else None
+        dist.gather(y, gathered, dst=root)
+        return gathered
     if collective == "ring_all_gather" and x.shape[0] % world == 0 and x.numel():
         out = [torch.empty_like(torch.tensor_split(y, world)[rank]) for _ in range(world)]
         dist.all_gather(out, torch.tensor_split(y, world)[rank].contiguous())
         return torch.cat(out)
     if collective in ("reduce_scatter", "ring_reduce_scatter", "scatter") and x.shape[0] % world == 0 and x.numel():
         if collective == "scatter":
-            out = torch.empty_like(torch.tensor_split(y, world)[rank])
-            dist.scatter(out, list(torch.tensor_split(y, world)) if rank == root else None, src=root)
-            return out
+            piece = torch.empty_like(torch.tensor_split(y, world)[rank])
+            dist.scatter(piece, list(torch.tensor_split(y, world)) if rank == root else None, src=root)
+            return piece
         chunks = [c.contiguous() for c in torch.tensor_split(y, world)]
-        out = torch.empty_like(chunks[rank])
-        dist.reduce_scatter(out, chunks)
-        return out
+        piece = torch.empty_like(chunks[rank])
+        dist.reduce_scatter(piece, chunks)
+        return piece
     return None
 
 
@@ -670,7 +701,8 @@ def _check_everything(small: bool) -> dict[str, Any]:
         ours, theirs = ring_all_reduce(x.clone()), x.clone()
         dist.all_reduce(theirs)
         tol = {"rtol": 1e-5, "atol": 1e-5 * world}
-        report_check(f"ring_all_reduce n={length} vs single-process sum", ours, expected_result("all_reduce", inputs)[rank], **tol)
+        report_check(f"ring_all_reduce n={length} vs single-process sum", ours, expected_result("all_reduce", inputs)[rank],
+                     **tol)
         report_check(f"ring_all_reduce n={length} vs dist.all_reduce", ours, theirs, **tol)
     root = world - 1
     for name, fn in _P2P_COLLECTIVES.items():
@@ -684,7 +716,7 @@ def _check_everything(small: bool) -> dict[str, Any]:
 
 
 def _all_reduce_timings(small: bool, device: torch.device) -> dict[str, Any]:
-    """In a rank: ping-pong, the ring and ``dist.all_reduce`` timed against size (slowest rank, fastest repeat), alpha-beta fit."""
+    """In a rank: ping-pong, the ring and ``dist.all_reduce`` timed by size (slowest rank, fastest repeat), alpha-beta fit."""
     world = dist.get_world_size()
     sizes = [2**k for k in range(10, 17, 2)] if small else [2**k for k in range(10, 27, 2)]
     repeat = 3 if small else 10

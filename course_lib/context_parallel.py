@@ -22,6 +22,7 @@ algorithm against full attention on N ranks and print the chapter's measurements
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -40,12 +41,14 @@ __all__ = [
     "block_attention",
     "causal_ring_attention_forward",
     "causal_work_per_rank",
+    "check_and_measure",
     "chunk_pair_kind",
     "contiguous_indices",
     "count_received_bytes",
     "kv_buffer_bytes",
     "kv_comm_bytes",
     "layout_indices",
+    "main",
     "merge_partials",
     "random_qkv",
     "ring_attention",
@@ -398,7 +401,7 @@ def _ring_backward(
             dkc[ki] += gk  # views into dkv: accumulate in place
             dvc[ki] += gv
         dkv = ring_shift(dkv).wait()  # the accumulators only after this step's contribution
-        if not last:
+        if pending_kv is not None:  # not the last step
             kv = pending_kv.wait()
     return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
@@ -494,6 +497,12 @@ def _inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torch.de
     return [t.to(device) for t in random_qkv(b, h, n, d, dtype, seed, count=4)]
 
 
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    """``t.grad``, which the backward pass just filled."""
+    assert t.grad is not None, "the backward pass did not reach this tensor"
+    return t.grad
+
+
 def _check(name: str, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], rtol: float, atol: float) -> None:
     from course_lib.dist import assert_matches_reference
 
@@ -534,16 +543,16 @@ def check_and_measure(small: bool = False) -> dict[str, Any]:
     q, k, v, dout = _inputs(b, h, n, d, dtype, device)
     for causal, layout in ((False, "contiguous"), (True, "zigzag"), (True, "contiguous")):
         name = "causal_" + layout if causal else "noncausal"
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        ref = naive_attention(*leaves, causal=causal)
+        lq, lk, lv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        ref = naive_attention(lq, lk, lv, causal=causal)
         ref.backward(dout)
-        shards = [shard_sequence(t.detach(), rank, world, layout).requires_grad_(True) for t in (q, k, v)]
-        out = ring_attention(*shards, causal=causal, layout=layout)
+        sq, sk, sv = (shard_sequence(t.detach(), rank, world, layout).requires_grad_(True) for t in (q, k, v))
+        out = ring_attention(sq, sk, sv, causal=causal, layout=layout)
         out.backward(shard_sequence(dout, rank, world, layout))
         _check(f"ring_{name}_forward", [out.detach()], [shard_sequence(ref.detach(), rank, world, layout)], rtol, atol)
-        _check(f"ring_{name}_backward", [s.grad for s in shards],
-               [shard_sequence(t.grad, rank, world, layout) for t in leaves], rtol, atol)
-        ag_out, _ = allgather_attention_forward(*(s.detach() for s in shards), causal=causal, layout=layout)
+        _check(f"ring_{name}_backward", [_grad(s) for s in (sq, sk, sv)],
+               [shard_sequence(_grad(t), rank, world, layout) for t in (lq, lk, lv)], rtol, atol)
+        ag_out, _ = allgather_attention_forward(sq.detach(), sk.detach(), sv.detach(), causal=causal, layout=layout)
         _check(f"allgather_{name}_forward", [ag_out], [shard_sequence(ref.detach(), rank, world, layout)], rtol, atol)
 
     result: dict[str, Any] = {"world_size": world, "backend": dist.get_backend(), "seq_len": n, "batch": b,
@@ -559,7 +568,7 @@ def check_and_measure(small: bool = False) -> dict[str, Any]:
         dist.all_gather(gathered, compute)
         result[f"causal_{layout}_compute_s_per_rank"] = [float(t) for t in gathered]
         result[f"causal_{layout}_time_s"] = _timed(
-            lambda: ring_attention_forward(qs, ks, vs, causal=True, layout=layout), repeat, device)
+            functools.partial(ring_attention_forward, qs, ks, vs, causal=True, layout=layout), repeat, device)
         result[f"causal_{layout}_work_per_rank"] = causal_work_per_rank(n, world, layout)
     qs, ks, vs = (shard_sequence(t, rank, world, "contiguous") for t in (q, k, v))
     with count_received_bytes() as counter:
@@ -572,7 +581,7 @@ def check_and_measure(small: bool = False) -> dict[str, Any]:
     result["kv_buffer_bytes"] = {s: kv_buffer_bytes(s, n, d, world, b * h, q.element_size()) for s in ("ring", "allgather")}
     for overlap in (True, False):
         key = "time_with_overlap_s" if overlap else "time_without_overlap_s"
-        result[key] = _timed(lambda: ring_attention_forward(qs, ks, vs, overlap=overlap), repeat, device)
+        result[key] = _timed(functools.partial(ring_attention_forward, qs, ks, vs, overlap=overlap), repeat, device)
     result["overlap_measured_on"] = "gpu" if on_gpu else "cpu (gloo; not meaningful for overlap)"
     return result
 

@@ -45,6 +45,33 @@ from course_lib.models import MLP
 from course_lib.optimizers import adam_step
 from course_lib.testing import not_done
 
+__all__ = [
+    "shard_batch",
+    "full_batch_gradients",
+    "averaged_shard_gradients",
+    "sampler_indices",
+    "broadcast_parameters",
+    "average_gradients",
+    "naive_ddp_step",
+    "assign_buckets",
+    "Timeline",
+    "record_all_reduces",
+    "BucketedDDP",
+    "ZeroStage1Optimizer",
+    "state_tensor_bytes",
+    "step_compute_time",
+    "scaling_efficiency",
+    "TrainCase",
+    "train_reference",
+    "train_naive_ddp",
+    "train_bucketed_ddp",
+    "train_zero1",
+    "launch_exercise",
+    "gradient_scale_hint",
+    "train_on_device",
+    "main",
+]
+
 # ---- the maths, in one process ----------------------------------------------------------------
 
 
@@ -147,7 +174,10 @@ def naive_ddp_step(
     y: torch.Tensor,
     average_fn: Callable[[nn.Module], None] = average_gradients,
 ) -> torch.Tensor:
-    """One naive data-parallel step on this rank's shard ``(x, y)``: forward, backward, average, update; returns the local loss."""
+    """One naive data-parallel step on this rank's shard ``(x, y)``: forward, backward, average, update.
+
+    Returns the local loss.
+    """
     optimizer.zero_grad(set_to_none=True)
     loss = loss_fn(model(x), y)
     loss.backward()
@@ -404,7 +434,7 @@ class ZeroStage1Optimizer:
         self.rank = dist.get_rank() if rank is None else rank
         self.numel = sum(p.numel() for p in self.params)
         self.shard_size = math.ceil(self.numel / self.world_size)
-        self.hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.hyper: dict[str, Any] = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.state: dict[str, Any] = {}
 
     def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -531,8 +561,17 @@ class TrainCase:
         """A one-line label for messages."""
         return (
             f"{world_size} ranks, MLP{list(self.sizes)} {str(self.dtype).replace('torch.', '')}, "
-            f"{self.optimizer} lr={self.lr}, batch {self.batch}, {self.steps} steps x {self.accumulation} micro-batches, seed {self.seed}"
+            f"{self.optimizer} lr={self.lr}, batch {self.batch}, "
+            f"{self.steps} steps x {self.accumulation} micro-batches, seed {self.seed}"
         )
+
+
+def _grad_copies(model: nn.Module) -> list[torch.Tensor]:
+    """Copies of the gradients of ``model``'s parameters, which a backward pass has just filled."""
+    grads = [p.grad for p in model.parameters()]
+    if any(g is None for g in grads):
+        raise AttributeError("a parameter has no gradient after the backward pass")
+    return [g.clone() for g in grads if g is not None]
 
 
 def train_reference(case: TrainCase) -> dict[str, list[torch.Tensor]]:
@@ -546,7 +585,7 @@ def train_reference(case: TrainCase) -> dict[str, list[torch.Tensor]]:
         for k in range(case.accumulation):
             (F.mse_loss(model(x[s, k]), y[s, k]) / case.accumulation).backward()
         if s == 0:
-            first = [p.grad.clone() for p in model.parameters()]
+            first = _grad_copies(model)
         opt.step()
     return {"first_grads": first, "params": [p.detach().clone() for p in model.parameters()]}
 
@@ -568,7 +607,7 @@ def train_naive_ddp(average_fn: Callable[[nn.Module], None], case: TrainCase) ->
             (F.mse_loss(model(xs), ys) / case.accumulation).backward()
         average_fn(model)
         if s == 0:
-            first = [p.grad.clone() for p in model.parameters()]
+            first = _grad_copies(model)
         opt.step()
     return {"first_grads": first, "params": [p.detach().clone() for p in model.parameters()]}
 
@@ -592,7 +631,7 @@ def _count_all_reduces(counts: dict[str, int]) -> Callable[[], None]:
     return undo
 
 
-def train_bucketed_ddp(ddp_cls: Callable[..., nn.Module], case: TrainCase, *, distinct_init: bool = False) -> dict[str, Any]:
+def train_bucketed_ddp(ddp_cls: Callable[..., Any], case: TrainCase, *, distinct_init: bool = False) -> dict[str, Any]:
     """In a rank: train ``case`` with ``ddp_cls(model, bucket_cap_mb=...)`` and with torch's DDP side by side.
 
     Micro-batches but the last run inside ``no_sync()``. Returns the parameters of both after
@@ -610,7 +649,8 @@ def train_bucketed_ddp(ddp_cls: Callable[..., nn.Module], case: TrainCase, *, di
     ref_opt = case.make_optimizer(ref_model.parameters())
     counts = {"during_backward": 0, "async_during_backward": 0, "total": 0, "in_backward": 0}
     for s in range(case.steps):
-        for net, o in ((ours, opt), (theirs, ref_opt)):
+        runs: list[tuple[Any, torch.optim.Optimizer]] = [(ours, opt), (theirs, ref_opt)]
+        for net, o in runs:
             o.zero_grad(set_to_none=True)
             for k in range(case.accumulation):
                 xs, ys = shard_batch((x[s, k], y[s, k]), rank, world)
@@ -639,7 +679,7 @@ def train_bucketed_ddp(ddp_cls: Callable[..., nn.Module], case: TrainCase, *, di
 
 
 def train_zero1(opt_cls: Callable[..., Any], case: TrainCase) -> dict[str, Any]:
-    """In a rank: train ``case`` (Adam) with ``opt_cls(params, world_size, rank, lr=..., weight_decay=...)``, no other gradient sync.
+    """In a rank: train ``case`` (Adam) with ``opt_cls(params, world_size, rank, lr=..., weight_decay=...)``, no other sync.
 
     Returns the final parameters and the bytes of the tensors in the optimizer's ``state``.
     """
@@ -684,6 +724,7 @@ def launch_exercise(
     The ranks use gloo on the CPU, also where there are GPUs: the cases are small CPU models.
     """
     import torch._dynamo  # noqa: F401 - torch.optim imports it on first use (seconds): once here, not in every rank
+
     from course_lib.dist import launch
 
     results = launch(_run_cases, world_size, worker, student, list(cases), kwargs, backend="gloo", timeout=timeout)
@@ -723,16 +764,17 @@ def train_on_device(case: TrainCase, mode: str, device: torch.device) -> tuple[n
         raise ValueError(f"unknown mode {mode!r}; expected one of {_MODES}")
     rank, world = (0, 1) if mode == "single" else (dist.get_rank(), dist.get_world_size())
     model = case.model().to(device)
-    net: nn.Module = model
+    wrapper: BucketedDDP | nn.parallel.DistributedDataParallel | None = None
     if mode == "bucketed":
-        net = BucketedDDP(model, bucket_cap_mb=case.bucket_cap_mb)
+        wrapper = BucketedDDP(model, bucket_cap_mb=case.bucket_cap_mb)
     elif mode in ("torch_ddp", "torch_zero"):
-        net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=case.bucket_cap_mb)
-    hyper = dict(lr=case.lr, weight_decay=case.weight_decay)
+        wrapper = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=case.bucket_cap_mb)
+    net: nn.Module = model if wrapper is None else wrapper
     if mode == "zero1":
-        opt: Any = ZeroStage1Optimizer(model.parameters(), **hyper)
+        opt: Any = ZeroStage1Optimizer(model.parameters(), lr=case.lr, weight_decay=case.weight_decay)
     elif mode == "torch_zero":
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, **hyper)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=case.lr,
+                                      weight_decay=case.weight_decay)
     else:
         opt = case.make_optimizer(model.parameters())
     x, y = (t.to(device) for t in case.data())
@@ -741,11 +783,11 @@ def train_on_device(case: TrainCase, mode: str, device: torch.device) -> tuple[n
         for k in range(case.accumulation):
             xs, ys = shard_batch((x[s, k], y[s, k]), rank, world)
             last = k == case.accumulation - 1
-            with contextlib.nullcontext() if last or not hasattr(net, "no_sync") else net.no_sync():
+            with contextlib.nullcontext() if last or wrapper is None else wrapper.no_sync():
                 (F.mse_loss(net(xs), ys) / case.accumulation).backward()
         if mode == "naive":
             average_gradients(model)
-        elif mode == "bucketed":
+        elif isinstance(net, BucketedDDP):  # mode == "bucketed"
             net.finish_gradient_sync()
         opt.step()
     return model, opt
@@ -755,14 +797,13 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def _check_everything(small: bool) -> None:
+def _check_everything(small: bool) -> dict[str, Any]:
     """In a rank: naive, bucketed and torch DDP, ZeRO-1 and torch's ZeRO against single-process training; then timings."""
-    from course_lib.dist import report_check
-    from course_lib.dist import rank_device
+    from course_lib.dist import rank_device, report_check
 
     world, device = dist.get_world_size(), rank_device()
     sizes = (6, 10, 4) if small else (512, 1024, 1024, 256)
-    common = dict(sizes=sizes, batch=4 * world, steps=3, bucket_cap_mb=1e-4 if small else 1.0)
+    common: dict[str, Any] = dict(sizes=sizes, batch=4 * world, steps=3, bucket_cap_mb=1e-4 if small else 1.0)
     tol = {"rtol": 1e-9, "atol": 1e-11}  # float64: only the order of the additions differs
     states: dict[str, int] = {}
     for case in (TrainCase(accumulation=2, **common), TrainCase(optimizer="adam", lr=0.01, seed=1, **common)):
@@ -778,7 +819,8 @@ def _check_everything(small: bool) -> None:
             zero1, opt = train_on_device(case, "zero1", device)
             torch_zero, torch_opt = train_on_device(case, "torch_zero", device)
             report_check(f"zero1 {label}: params vs single-process Adam", _params(zero1), _params(reference), **tol)
-            report_check(f"zero1 {label}: params vs torch ZeroRedundancyOptimizer", _params(zero1), _params(torch_zero), **tol)
+            report_check(f"zero1 {label}: params vs torch ZeroRedundancyOptimizer", _params(zero1), _params(torch_zero),
+                         **tol)
             states = {"zero1": state_tensor_bytes(opt.state), "torch_zero": state_tensor_bytes(torch_opt.optim.state)}
             states["adam_single_process"] = state_tensor_bytes(reference_opt.state)
     return {
@@ -797,19 +839,24 @@ def _step_times(width: int, device: torch.device) -> dict[str, float]:
     out = {}
     for mode in ("compute_only", "naive", "bucketed", "torch_ddp"):
         model = MLP([width] * 5, seed=0).to(device)
-        net = {"bucketed": lambda: BucketedDDP(model), "torch_ddp": lambda: nn.parallel.DistributedDataParallel(model)}.get(
-            mode, lambda: model)()
-
-        def step(t: torch.Tensor) -> None:
-            model.zero_grad(set_to_none=True)
-            F.mse_loss(net(t), t).backward()
-            if mode == "naive":
-                average_gradients(model)
-            elif mode == "bucketed":
-                net.finish_gradient_sync()
-
+        net: nn.Module = model
+        if mode == "bucketed":
+            net = BucketedDDP(model)
+        elif mode == "torch_ddp":
+            net = nn.parallel.DistributedDataParallel(model)
+        step = functools.partial(_sync_step, model, net, mode == "naive")
         out[mode] = float(np.median(time_in_ranks(step, x, repeat=5, warmup=2))) * 1e3
     return out
+
+
+def _sync_step(model: nn.Module, net: nn.Module, naive: bool, t: torch.Tensor) -> None:
+    """Forward + backward of ``net`` (``model``, maybe wrapped) on ``t``, then the gradient sync a wrapper leaves to us."""
+    model.zero_grad(set_to_none=True)
+    F.mse_loss(net(t), t).backward()
+    if naive:
+        average_gradients(model)
+    elif isinstance(net, BucketedDDP):
+        net.finish_gradient_sync()
 
 
 def main(argv: list[str] | None = None) -> None:

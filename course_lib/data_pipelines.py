@@ -14,6 +14,7 @@ The pieces of chapter 05:
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -26,6 +27,25 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+__all__ = [
+    "MEAN",
+    "STD",
+    "worker_init",
+    "preprocess",
+    "SyntheticImages",
+    "Prefetcher",
+    "to_device",
+    "CudaPrefetcher",
+    "steady_state_step_time",
+    "bottleneck",
+    "choose_num_workers",
+    "prefetch_buffer_bytes",
+    "STAGE_COLORS",
+    "Timeline",
+    "fake_step",
+    "run_pipeline",
+]
 
 # Per-channel mean and standard deviation used by ``preprocess`` (uint8 pixel scale 0..1).
 MEAN = (0.5, 0.5, 0.5)
@@ -144,10 +164,9 @@ def _fill(source: Iterable[Any], out: queue.Queue, room: threading.Semaphore, st
     finally:
         close = getattr(it, "close", None)
         if callable(close):
-            try:
+            # the source's own cleanup must not kill the thread silently
+            with contextlib.suppress(Exception):
                 close()
-            except Exception:  # noqa: BLE001 - the source's own cleanup must not kill the thread silently
-                pass
 
 
 def _shutdown(stop: threading.Event, room: threading.Semaphore, thread: threading.Thread, depth: int) -> None:
@@ -273,7 +292,8 @@ class CudaPrefetcher:
             return to_device(_pin(batch), self.device, non_blocking=True)
 
     def __iter__(self) -> Iterator[Any]:
-        if not self.uses_cuda:
+        side = self._stream
+        if side is None:  # not CUDA
             for batch in self.loader:
                 yield to_device(batch, self.device)
             return
@@ -284,7 +304,7 @@ class CudaPrefetcher:
             return
         current = torch.cuda.current_stream(self.device)
         while True:
-            current.wait_stream(self._stream)
+            current.wait_stream(side)
             batch = nxt
             for t in _tensors(batch):
                 t.record_stream(current)

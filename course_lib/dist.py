@@ -22,6 +22,7 @@ The same function runs on a multi-GPU host as a script:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import io
 import json
@@ -66,6 +67,7 @@ __all__ = [
     "run_as_script",
     "run_entry",
     "set_nccl_env_defaults",
+    "EntryRun",
 ]
 
 # After SIGTERM, how long a rank may take to exit before it is killed.
@@ -164,10 +166,8 @@ class _RankStream(io.TextIOBase):
 
 def _die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when the parent dies, so no rank outlives a crashed notebook."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the parent's cleanup is all there is
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent's cleanup is all there is
 
 
 def _worker(
@@ -237,7 +237,7 @@ def _worker(
 
 
 def _context_and_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
-    """Fork on a machine without a GPU (keeps notebook-defined functions working); else forkserver with ``fn`` pickled by value."""
+    """Fork without a GPU (keeps notebook-defined functions working); else forkserver with ``fn`` pickled by value."""
     if not torch.cuda.is_available():
         return mp.get_context("fork"), (fn, args, kwargs)
     # Where there is a GPU, a rank forked from the caller breaks as soon as the caller has
@@ -466,7 +466,10 @@ def assert_matches_reference(
     rtol: float | None = None,
     atol: float | None = None,
 ) -> None:
-    """Check a parallel result against a single-process reference: tensors, lists of tensors, or two modules (parameters and gradients by name)."""
+    """Check a parallel result against a single-process reference.
+
+    Either tensors, lists of tensors, or two modules (parameters and gradients by name).
+    """
     if isinstance(expected, nn.Module):
         if not isinstance(actual, nn.Module):
             raise AssertionError(f"{name}: expected an nn.Module, got {type(actual).__name__}")
@@ -581,7 +584,7 @@ NCCL_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
 
 def set_nccl_env_defaults() -> dict[str, str]:
-    """Set ``NCCL_ENV_DEFAULTS`` where the environment does not already say otherwise (call before init); return the values in force."""
+    """Set ``NCCL_ENV_DEFAULTS`` where the environment does not say otherwise (call before init); return the values in force."""
     for key, value in NCCL_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     return {key: os.environ[key] for key in NCCL_ENV_DEFAULTS}
@@ -607,7 +610,9 @@ def max_abs_error(actual: Any, expected: Any) -> float:
 
 
 def report_check(name: str, actual: Any, expected: Any, *, rtol: float | None = None, atol: float | None = None) -> float:
-    """Assert that a parallel result equals its single-process reference on this rank; rank 0 prints ``CHECK <name> ok max_abs_err=<x>``.
+    """Assert that a parallel result equals its single-process reference on this rank.
+
+    Rank 0 prints ``CHECK <name> ok max_abs_err=<x>``.
 
     Every rank must call it for every check (the error is maximised over the ranks with an
     all-reduce). Returns that maximum.
@@ -631,7 +636,9 @@ def _run_and_report(fn: Callable[[bool], dict[str, Any]], small: bool) -> None:
 
 
 def entry_main(fn: Callable[[bool], dict[str, Any]], description: str, argv: Sequence[str] | None = None) -> None:
-    """The ``main`` of a chapter's torchrun entry: ``--small``, NVLink multicast off, ``fn(small)`` in every rank, ``RESULT`` from rank 0.
+    """The ``main`` of a chapter's torchrun entry.
+
+    It takes ``--small``, turns NVLink multicast off, runs ``fn(small)`` in every rank and prints ``RESULT`` from rank 0.
 
     ``fn`` checks the chapter's algorithms (``report_check``) and returns what it measured.
     """

@@ -20,6 +20,18 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+__all__ = [
+    "HAS_GPU",
+    "DEVICE",
+    "INTERPRET",
+    "SEED",
+    "quiet_warnings",
+    "seed_everything",
+    "pick",
+    "triton_version",
+    "banner",
+]
+
 T = TypeVar("T")
 
 HAS_GPU: bool = torch.cuda.is_available()

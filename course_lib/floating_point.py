@@ -18,6 +18,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+__all__ = [
+    "FloatFormat",
+    "FORMATS",
+    "format_limits",
+    "fields",
+    "bit_string",
+    "decode_bits",
+    "round_to_format",
+    "encode_bits",
+    "fp32_to_bf16_bits",
+    "round_to_bf16",
+    "ulp",
+    "representable_values",
+    "tensor_nbytes",
+    "human_bytes",
+    "running_sums",
+    "sequential_sum",
+    "kahan_sum",
+]
+
 
 @dataclass(frozen=True)
 class FloatFormat:

@@ -34,7 +34,6 @@ import torch
 import torch._dynamo  # noqa: F401  an optimizer's constructor imports it; once here, not in every forked rank
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from course_lib import models
 from course_lib import tensor_parallel as tp_lib
@@ -187,12 +186,13 @@ def train_reference(case: HybridCase, device: torch.device | str = "cpu") -> mod
     return model.cpu()
 
 
-def reference_shard(reference: nn.Module, tp_rank: int, tp: int) -> tp_lib.ParallelBlock:
+def reference_shard(reference: models.Block, tp_rank: int, tp: int) -> tp_lib.ParallelBlock:
     """The tensor-parallel shard of a trained single-process block, with the matching slices of its gradients."""
     shard = tp_lib.ParallelBlock.from_module(reference, tp_rank, tp)
     grads = copy.deepcopy(reference)
     with torch.no_grad():
         for p, original in zip(grads.parameters(), reference.parameters()):
+            assert original.grad is not None, "the reference block has been trained: every parameter has a gradient"
             p.copy_(original.grad)
     for p, g in zip(shard.parameters(), tp_lib.ParallelBlock.from_module(grads, tp_rank, tp).parameters()):
         p.grad = g.detach().clone()
@@ -223,8 +223,10 @@ def train_dp_tp(case: HybridCase, dp: int, tp: int, *, mesh: MeshGroups | None =
         opt.zero_grad()
         F.mse_loss(model(x_local), y_local).backward()
         for p in model.parameters():  # average over the replicas that hold the same shard
-            dist.all_reduce(p.grad, group=mesh.groups["dp"])
-            p.grad /= dp
+            grad = p.grad
+            assert grad is not None, "every parameter has a gradient after the backward pass"
+            dist.all_reduce(grad, group=mesh.groups["dp"])
+            grad /= dp
         opt.step()
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -263,9 +265,9 @@ def _script(small: bool) -> dict[str, Any]:
             max(float((a.detach() - b.detach()).abs().max()), float((a.grad - b.grad).abs().max()))
             for a, b in zip(out["model"].parameters(), want.parameters())
         )
-        errs = [None] * world
+        errs: list[float] = [0.0] * world  # all_gather_object fills in every rank's value
         dist.all_gather_object(errs, err)
-        times = [None] * world
+        times: list[float] = [0.0] * world
         dist.all_gather_object(times, out["step_s"])
         if rank == 0:
             print(f"CHECK mesh_dp{dp}xtp{tp} ok max_abs_err=0")

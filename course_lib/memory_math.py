@@ -198,7 +198,7 @@ def _distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _parameter_keys(model: Callable[..., Any]) -> set[tuple[str, int]]:
+def _parameter_keys(model: Callable[..., Any] | None) -> set[tuple[str, int]]:
     if isinstance(model, nn.Module):
         return {storage_key(p) for p in model.parameters()}
     return set()
@@ -244,7 +244,8 @@ def saved_tensors(model: Callable[..., Any], *inputs: Any, **kwargs: Any) -> lis
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(*inputs, **kwargs)
-    del out, keep
+    del out  # the graph, and with it autograd's references to the saved tensors
+    keep.clear()
     return found
 
 
@@ -288,7 +289,7 @@ class SavedBytesTracker:
         self._bytes: dict[tuple[str, int], int] = {}
         self._lock = threading.RLock()  # a finalizer may run while this thread holds it
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._original_push: Callable[..., Any] | None = None
+        self._original_push = torch._C._autograd._push_saved_tensors_default_hooks  # replaced by __enter__
 
     def _count(self, t: torch.Tensor, anchor: object) -> None:
         if is_parameter_storage(t, self._parameter_keys):
@@ -337,8 +338,8 @@ class SavedBytesTracker:
         self._hooks.__enter__()
         original = self._original_push = torch._C._autograd._push_saved_tensors_default_hooks
 
-        def push(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> None:
-            original(self._wrap(pack), unpack)
+        def push(pack_hook: Callable[[torch.Tensor], Any], unpack_hook: Callable[[Any], torch.Tensor]) -> None:
+            original(self._wrap(pack_hook), unpack_hook)
 
         torch._C._autograd._push_saved_tensors_default_hooks = push
         return self

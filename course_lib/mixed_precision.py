@@ -27,6 +27,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib import memory_math as mm
 
+__all__ = [
+    "underflow_fraction",
+    "subnormal_fraction",
+    "sample_values",
+    "log2_magnitudes",
+    "unscale_and_check",
+    "update_scale",
+    "StaticLossScaler",
+    "DynamicLossScaler",
+    "MasterWeights",
+    "grads_to_master",
+    "master_to_model",
+    "gpt_loss",
+    "mixed_precision_step",
+    "autocast_dtypes",
+    "mixed_precision_bytes",
+]
+
 # ---- gradient underflow ----------------------------------------------------------------------
 
 
@@ -66,7 +84,7 @@ def subnormal_fraction(grads: torch.Tensor | Iterable[torch.Tensor | None], dtyp
 
 
 def sample_values(grads: torch.Tensor | Iterable[torch.Tensor | None], limit: int = 2**22, seed: int = 0) -> torch.Tensor:
-    """The values of ``grads`` flattened (float64, on their device); ``limit`` of them drawn at random (seeded) when there are more.
+    """The values of ``grads`` flattened (float64, on their device); ``limit`` of them drawn at random (seeded) if more.
 
     A histogram or a fraction of a random sample of a few million values looks like that of all
     the values, at a fraction of the cost when there are hundreds of millions (GPT-2's gradients).
@@ -321,7 +339,9 @@ class _RecordDtypes(TorchDispatchMode):
         super().__init__()
         self.records: list[tuple[str, torch.dtype]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         first = out[0] if isinstance(out, (tuple, list)) and out else out
         if isinstance(first, torch.Tensor):

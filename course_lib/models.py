@@ -27,6 +27,19 @@ from torch import nn
 
 from course_lib import env
 
+__all__ = [
+    "INIT_STD",
+    "GPTConfig",
+    "gpt_param_count",
+    "CausalSelfAttention",
+    "FeedForward",
+    "Block",
+    "GPT",
+    "MLP",
+    "random_batch",
+    "repeating_batch",
+]
+
 # Standard deviation of the GPT-2 initialisation for weights and embeddings.
 INIT_STD = 0.02
 

@@ -23,6 +23,36 @@ from torch import nn
 
 from course_lib.testing import NotDoneYet, assert_close, call
 
+__all__ = [
+    "StepFn",
+    "sgd_step",
+    "rmsprop_step",
+    "adam_step",
+    "adamw_step",
+    "StepOptimizer",
+    "check_against_torch",
+    "STATE_LAYOUT",
+    "STEP_BYTES",
+    "optimizer_state_bytes",
+    "state_dict_bytes",
+    "state_summary",
+    "Op",
+    "ADAM_FOR_LOOP",
+    "ADAMW_FOR_LOOP",
+    "ADAM_L2_FOR_LOOP",
+    "SGD_MOMENTUM_FOR_LOOP",
+    "SGD_FOR_LOOP",
+    "RMSPROP_FOR_LOOP",
+    "PROGRAMS",
+    "op_traffic",
+    "step_traffic",
+    "fused_supported",
+    "toy_regression",
+    "per_sample_gradients",
+    "minibatch_noise",
+    "expected_minibatch_noise",
+]
+
 StepFn = Callable[..., Any]
 
 
@@ -170,8 +200,9 @@ class StepOptimizer(torch.optim.Optimizer):
         super().__init__(params, hyper)
         self.step_fn = step_fn
 
+    # torch types a closure's loss as a float; here, as in torch's own optimizers, it is the loss tensor.
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:  # type: ignore[override]
         """Update every parameter that has a gradient; with ``closure``, re-evaluate the loss first and return it."""
         loss = None
         if closure is not None:
@@ -270,6 +301,8 @@ def _run_side_by_side(
     mine = [p.detach().clone() for p in ref_params]
     states: list[dict] = [{} for _ in mine]
     reference = torch_cls(ref_params, **hyper)
+    grads: Sequence[torch.Tensor]
+    my_grads: Sequence[torch.Tensor]
     for step in range(1, steps + 1):
         if model is not None:  # each side's gradient at its own parameters
             grads, my_grads = _mse_grads(model, ref_params, x, y), _mse_grads(model, mine, x, y)
@@ -286,7 +319,9 @@ def _run_side_by_side(
                 raise AssertionError(f"{label}: step {step} changed `grad` in place; leave the gradient as it is "
                                      "(use out-of-place ops such as grad.add(...) or grad + ...)")
             if torch.equal(p, before) and not torch.equal(ref_params[i].detach(), before):
-                why = " (it returned a tensor: update `p` in place instead, e.g. p.add_(...))" if isinstance(returned, torch.Tensor) else ""
+                why = ""
+                if isinstance(returned, torch.Tensor):
+                    why = " (it returned a tensor: update `p` in place instead, e.g. p.add_(...))"
                 raise AssertionError(f"{label}: step {step} left parameter {i} unchanged{why}")
             _compare(f"{label}: parameter {i} of shape {tuple(p.shape)} after step {step}",
                      p, ref_params[i].detach(), atol, rtol)
@@ -349,7 +384,10 @@ def state_summary(optimizer: torch.optim.Optimizer) -> dict[str, tuple[str, int]
     summary = {}
     for key, value in states[0].items():
         count = sum(1 for s in states if isinstance(s.get(key), torch.Tensor))
-        text = f"{str(value.dtype).replace('torch.', '')} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+        if isinstance(value, torch.Tensor):
+            text = f"{str(value.dtype).replace('torch.', '')} {tuple(value.shape)}"
+        else:
+            text = repr(value)
         summary[key] = (text, count)
     return summary
 

@@ -14,6 +14,15 @@ import torch
 
 from course_lib import env
 
+__all__ = [
+    "GPUSpec",
+    "H100_SXM",
+    "H200_SXM",
+    "device_report",
+    "tensor_read_time",
+    "roofline",
+]
+
 
 @dataclass(frozen=True)
 class GPUSpec:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ __all__ = [
     "balanced_partition",
     "bubble_fraction",
     "check_schedule",
+    "connect_neighbours",
     "exchange",
     "gpipe_schedule",
     "gpipe_step",
@@ -139,7 +140,7 @@ def _can_split(prefix: Sequence[float], start: int, n: int, k: int, limit: float
 def stage_layers(model: nn.Sequential, bounds: Sequence[tuple[int, int]], rank: int) -> nn.Sequential:
     """A deep copy of the layers ``bounds[rank]`` of ``model`` (what rank ``rank`` holds)."""
     start, end = bounds[rank]
-    return copy.deepcopy(model[start:end])
+    return copy.deepcopy(cast(nn.Sequential, model[start:end]))  # a slice of a Sequential is one (torch types it loosely)
 
 
 # ---- bubbles --------------------------------------------------------------------------------------
@@ -153,20 +154,23 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
 
 
 def _merged_busy(spans: Sequence[tuple[float, float]]) -> float:
-    total, cur_s, cur_e = 0.0, None, None
+    total = 0.0
+    cur: tuple[float, float] | None = None  # the (start, end) of the merged interval being built
     for s, e in sorted(spans):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
+        if cur is None or s > cur[1]:
+            if cur is not None:
+                total += cur[1] - cur[0]
+            cur = (s, e)
         else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
+            cur = (cur[0], max(cur[1], e))
+    if cur is not None:
+        total += cur[1] - cur[0]
     return total
 
 
-def measured_bubble(spans_by_rank: Sequence[Sequence[tuple[str, str, float, float]]], kinds: Sequence[str] = ("F", "B")) -> list[float]:
+def measured_bubble(
+    spans_by_rank: Sequence[Sequence[tuple[str, str, float, float]]], kinds: Sequence[str] = ("F", "B")
+) -> list[float]:
     """Idle fraction of each rank: 1 - busy / window, the window running from the first start to the last end over all ranks.
 
     ``spans_by_rank[r]`` holds rank r's spans ``(kind, label, start, end)``; only the ``kinds``
@@ -304,10 +308,11 @@ def check_schedule(schedules: Sequence[Sequence[Op]], m: int) -> None:
     """
     p = len(schedules)
     for r, sched in enumerate(schedules):
-        ops = [tuple(op) for op in sched]
-        bad = [op for op in ops if len(op) != 2 or op[0] not in ("F", "B") or not isinstance(op[1], int)]
+        raw = [tuple(op) for op in sched]
+        bad = [op for op in raw if len(op) != 2 or op[0] not in ("F", "B") or not isinstance(op[1], int)]
         if bad:
             raise AssertionError(f"rank {r}: ops must be ('F', mb) or ('B', mb) with an int mb, got {bad[0]!r}")
+        ops = cast(list[Op], raw)  # checked just above
         for kind in ("F", "B"):
             mbs = sorted(mb for k, mb in ops if k == kind)
             if mbs != list(range(m)):
@@ -482,6 +487,12 @@ class Stage(nn.Module):
 # ---- executors ------------------------------------------------------------------------------------
 
 
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    """``t.grad``, which the backward pass has just filled."""
+    assert t.grad is not None, "the backward pass did not reach this tensor"
+    return t.grad
+
+
 def _micro_batches(batch: Sequence[torch.Tensor], m: int) -> list[tuple[torch.Tensor, ...]]:
     return split_micro_batches(tuple(batch), m)
 
@@ -495,7 +506,8 @@ def gpipe_step(stage: nn.Module, batch: Sequence[torch.Tensor], m: int, loss_fn:
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     mbs = _micro_batches(batch, m)
-    inputs, outputs = [], []
+    inputs: list[torch.Tensor] = []
+    outputs: list[torch.Tensor] = []
     total = None
     for x_mb, y_mb in mbs:
         if rank == 0:
@@ -512,16 +524,17 @@ def gpipe_step(stage: nn.Module, batch: Sequence[torch.Tensor], m: int, loss_fn:
             dist.send(out.detach().contiguous(), rank + 1)
         inputs.append(x)
         outputs.append(out)
-    for i in range(m):
+    for _ in range(m):
+        # Micro-batches in order; popped, so that autograd's saved tensors go with x and out.
+        x, out = inputs.pop(0), outputs.pop(0)
         if rank == world - 1:
-            outputs[i].backward()
+            out.backward()
         else:
-            grad = torch.empty_like(outputs[i])
+            grad = torch.empty_like(out)
             dist.recv(grad, rank + 1)
-            torch.autograd.backward(outputs[i], grad)
+            torch.autograd.backward(out, grad)
         if rank > 0:
-            dist.send(inputs[i].grad.contiguous(), rank - 1)
-        inputs[i] = outputs[i] = None  # let autograd's saved tensors go
+            dist.send(_grad(x).contiguous(), rank - 1)
     return total
 
 
@@ -543,7 +556,8 @@ def connect_neighbours() -> None:
     ops = []
     for peer in (rank - 1, rank + 1):
         if 0 <= peer < world:
-            ops += [dist.P2POp(dist.isend, torch.zeros(1, device=dev), peer), dist.P2POp(dist.irecv, torch.empty(1, device=dev), peer)]
+            ops += [dist.P2POp(dist.isend, torch.zeros(1, device=dev), peer),
+                    dist.P2POp(dist.irecv, torch.empty(1, device=dev), peer)]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -579,7 +593,9 @@ def exchange(send: tuple[torch.Tensor, int] | None = None, recv: tuple[torch.Ten
     return list(works)
 
 
-def run_schedule(stage: nn.Module, schedule: Sequence[Op], batch: Sequence[torch.Tensor], m: int, loss_fn: LossFn) -> torch.Tensor | None:
+def run_schedule(
+    stage: nn.Module, schedule: Sequence[Op], batch: Sequence[torch.Tensor], m: int, loss_fn: LossFn
+) -> torch.Tensor | None:
     """Execute this rank's ``schedule`` of ("F", mb) / ("B", mb) ops; same contract as ``gpipe_step``.
 
     Each op's outgoing message (activation forward, gradient backward) is posted together with
@@ -624,7 +640,7 @@ def run_schedule(stage: nn.Module, schedule: Sequence[Op], batch: Sequence[torch
                 pending = None
                 torch.autograd.backward(out, grad)
             if rank > 0:
-                pending = (x.grad, rank - 1)
+                pending = (_grad(x), rank - 1)
     sends += exchange(pending, None)
     for work in sends:
         work.wait()
@@ -634,7 +650,9 @@ def run_schedule(stage: nn.Module, schedule: Sequence[Op], batch: Sequence[torch
 # ---- reference and drivers ------------------------------------------------------------------------
 
 
-def reference_step(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossFn = F.mse_loss) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def reference_step(
+    model: nn.Module, batch: Sequence[torch.Tensor], loss_fn: LossFn = F.mse_loss
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The single-process step: loss of the whole batch and every parameter's gradient (the model's .grad is left alone)."""
     x, y = batch
     params = list(model.parameters())
@@ -739,7 +757,7 @@ def torch_pipeline_step(
     else:
         runner.step()
     loss = torch.stack([t.detach() for t in losses]).mean() if losses else None
-    grads = [p.grad.detach().clone() for p in layers.parameters()]
+    grads = [_grad(p).detach().clone() for p in layers.parameters()]
     return {"loss": loss, "grads": grads}
 
 
@@ -748,7 +766,10 @@ def torch_pipeline_step(
 _COLORS = {"F": "#4C72B0", "B": "#DD8452"}
 
 
-def plot_gantt(ax: Any, spans_by_rank: Sequence[Sequence[tuple[str, str, float, float]]], title: str = "", *, unit: float = 1e3, label_mb: bool = True) -> Any:
+def plot_gantt(
+    ax: Any, spans_by_rank: Sequence[Sequence[tuple[str, str, float, float]]], title: str = "", *,
+    unit: float = 1e3, label_mb: bool = True,
+) -> Any:
     """Draw per-rank F/B spans as a Gantt chart (rank 0 at the top; gaps are idle time). ``unit`` 1e3: milliseconds."""
     everything = [s for spans in spans_by_rank for (_, _, s, _) in spans]
     t0 = min(everything) if everything else 0.0
@@ -767,7 +788,8 @@ def plot_gantt(ax: Any, spans_by_rank: Sequence[Sequence[tuple[str, str, float, 
     from matplotlib.patches import Patch
 
     ax.legend(handles=[Patch(color=_COLORS["F"], label="forward"), Patch(color=_COLORS["B"], label="backward"),
-                       Patch(facecolor="white", edgecolor="gray", label="idle")], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+                       Patch(facecolor="white", edgecolor="gray", label="idle")],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     if title:
         ax.set_title(title)
     return ax

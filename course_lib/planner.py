@@ -66,7 +66,9 @@ BF16_BYTES = 2
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A GPT-style transformer and its training batch: layers L, width h, heads a, sequence s, vocabulary V, global batch B (sequences).
+    """A GPT-style transformer and its training batch.
+
+    Layers L, width h, heads a, sequence s, vocabulary V, global batch B (sequences).
 
     ``params`` defaults to Megatron-LM's count 12 L h^2 + 13 L h + (V + s) h (tied embeddings).
     """
@@ -91,7 +93,9 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Identical nodes of GPUs: memory per GPU, per-GPU bandwidth inside a node and between nodes (bytes/s, one direction), peak FLOP/s.
+    """Identical nodes of GPUs.
+
+    Memory per GPU, per-GPU bandwidth inside a node and between nodes (bytes/s, one direction), peak FLOP/s.
 
     ``efficiency`` is the fraction of ``peak_flops`` that the large matrix multiplies of training
     reach in practice (0.6 by default: a typical figure for well-tuned bf16 GEMMs).
@@ -112,18 +116,24 @@ class ClusterSpec:
 
 
 def dgx_h100(nodes: int = 1) -> ClusterSpec:
-    """DGX H100 nodes: 8 H100 SXM (80 GB, 989 TFLOP/s dense bf16), NVLink 450 GB/s per direction, 8 x 400 Gb/s InfiniBand (50 GB/s per GPU)."""
+    """DGX H100 nodes.
+
+    8 H100 SXM (80 GB, 989 TFLOP/s dense bf16), NVLink 450 GB/s per direction, 8 x 400 Gb/s InfiniBand (50 GB/s per GPU).
+    """
     return ClusterSpec("DGX H100", 8, nodes, 80e9, 450e9, 50e9, 989e12)
 
 
 def a100_cluster(nodes: int = 1) -> ClusterSpec:
-    """DGX A100 nodes as in Megatron-LM's Selene runs: 8 A100 80 GB (312 TFLOP/s bf16), NVLink 300 GB/s per direction, 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU)."""
+    """DGX A100 nodes as in Megatron-LM's Selene runs.
+
+    8 A100 80 GB (312 TFLOP/s bf16), NVLink 300 GB/s per direction, 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU).
+    """
     return ClusterSpec("DGX A100 80GB", 8, nodes, 80e9, 300e9, 25e9, 312e12)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """One layout: degrees of data, tensor, pipeline and context parallelism, ZeRO stage, checkpointing, micro-batch size (sequences)."""
+    """One layout: data, tensor, pipeline and context parallel degrees, ZeRO stage, checkpointing, micro-batch (sequences)."""
 
     dp: int = 1
     tp: int = 1
@@ -171,7 +181,9 @@ def config_problems(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig)
     if cfg.num_gpus != cluster.num_gpus:
         found["gpus"] = f"dp*tp*pp*cp = {cfg.num_gpus}, but the cluster has {cluster.num_gpus} GPUs"
     if cluster.gpus_per_node % cfg.tp:
-        found["tp_node"] = f"tp={cfg.tp} must divide the {cluster.gpus_per_node} GPUs of a node (tensor parallelism stays inside a node)"
+        found["tp_node"] = (
+            f"tp={cfg.tp} must divide the {cluster.gpus_per_node} GPUs of a node (tensor parallelism stays inside a node)"
+        )
     if model.n_head % cfg.tp:
         found["tp_heads"] = f"tp={cfg.tp} must divide the {model.n_head} attention heads"
     if model.n_layer % cfg.pp:
@@ -206,7 +218,7 @@ class MemoryEstimate:
 
 
 def memory_per_gpu(model: ModelSpec, cfg: ParallelConfig) -> MemoryEstimate:
-    """Memory of one GPU (the first pipeline stage, which holds the most micro-batches) under ``cfg``; see the module docstring."""
+    """Memory of one GPU (the first pipeline stage, which holds most micro-batches) under ``cfg``; see the module docstring."""
     params_gpu = model.num_params / (cfg.tp * cfg.pp)
     states = mm.zero_memory_per_gpu(params_gpu, cfg.zero, cfg.dp * cfg.cp)
     s_local = model.seq_len // cfg.cp
@@ -378,7 +390,10 @@ def pick_best(
 
 
 def best_plan(plans: Iterable[Plan], memory_limit: float | None = None) -> Plan | None:
-    """The fastest plan whose memory fits (``memory_limit`` bytes, else each plan's own ``fits``); ties go to less memory. None if nothing fits."""
+    """The fastest plan whose memory fits (``memory_limit`` bytes, else each plan's own ``fits``), or None if nothing fits.
+
+    Ties go to the plan with less memory.
+    """
     fitting = [p for p in plans if (p.fits if memory_limit is None else p.memory.total <= memory_limit)]
     if not fitting:
         return None

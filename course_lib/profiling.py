@@ -46,6 +46,7 @@ __all__ = [
     "achieved_rates",
     "classify_bound",
     "roofline_point",
+    "A100_SXM",
 ]
 
 

@@ -33,7 +33,7 @@ import copy
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from course_lib import models
 from course_lib.testing import NotDoneYet
 
 T = TypeVar("T")
+M = TypeVar("M", bound=nn.Module)
 
 __all__ = [
     "CommLog",
@@ -69,6 +70,8 @@ __all__ = [
     "tp_comm_bytes_per_layer",
     "vocab_parallel_cross_entropy",
     "warm_up_autograd",
+    "check_sharded",
+    "main",
 ]
 
 
@@ -193,6 +196,12 @@ def scatter_to_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tens
 # --------------------------------------------------------------------------------------------
 
 
+@overload
+def _param(t: torch.Tensor) -> nn.Parameter: ...
+@overload
+def _param(t: None) -> None: ...
+
+
 def _param(t: torch.Tensor | None) -> nn.Parameter | None:
     """A fresh Parameter holding a contiguous copy of ``t`` (so a shard does not keep the full tensor alive)."""
     return None if t is None else nn.Parameter(t.detach().clone(memory_format=torch.contiguous_format))
@@ -265,7 +274,10 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"local weight {tuple(self.weight.shape)}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
+        return (
+            f"local weight {tuple(self.weight.shape)}, bias={self.bias is not None}, "
+            f"input_is_parallel={self.input_is_parallel}"
+        )
 
 
 class ParallelMLP(nn.Module):
@@ -470,7 +482,7 @@ def tp_comm_bytes_per_layer(b: int, s: int, h: int, dtype: torch.dtype = torch.f
     return {"forward": per, "backward": per}
 
 
-def all_reduce_wire_bytes(payload_bytes: int, world_size: int) -> float:
+def all_reduce_wire_bytes(payload_bytes: float, world_size: int) -> float:
     """Bytes each rank sends (and receives) in a ring all-reduce of ``payload_bytes``: 2 (n-1)/n of it."""
     return 2 * (world_size - 1) / world_size * payload_bytes
 
@@ -602,12 +614,14 @@ def regroup_qkv_for_sharding(attn: models.CausalSelfAttention, world_size: int) 
     the copy that is being parallelised.
     """
     n_head = attn.proj.in_features // attn.head_dim
-    pieces_w, pieces_b = [], []
+    pieces_w: list[torch.Tensor] = []
+    pieces_b: list[torch.Tensor] = []  # stays empty without a bias
     for rank in range(world_size):
         heads = shard_range(n_head, rank, world_size, "the number of heads")
         w, b = _head_shard_qkv(attn.qkv, heads, attn.head_dim)
         pieces_w.append(w)
-        pieces_b.append(b)
+        if b is not None:
+            pieces_b.append(b)
     with torch.no_grad():
         attn.qkv.weight.copy_(torch.cat(pieces_w))
         if attn.qkv.bias is not None:
@@ -620,16 +634,17 @@ def regroup_qkv_for_sharding(attn: models.CausalSelfAttention, world_size: int) 
 # --------------------------------------------------------------------------------------------
 
 
-def _grads_as_module(module: nn.Module) -> nn.Module:
+def _grads_as_module(module: M) -> M:
     """A copy of ``module`` whose parameters hold ``module``'s gradients (shard it to get the expected shard gradients)."""
     grads = copy.deepcopy(module)
     with torch.no_grad():
         for g, p in zip(grads.parameters(), module.parameters()):
+            assert p.grad is not None, "every parameter has a gradient after the backward pass"
             g.copy_(p.grad)
     return grads
 
 
-def check_sharded(name: str, module: nn.Module, shard_fn: Callable[[nn.Module], nn.Module], x: torch.Tensor) -> None:
+def check_sharded(name: str, module: M, shard_fn: Callable[[M], nn.Module], x: torch.Tensor) -> None:
     """In a rank: ``shard_fn(module)`` against ``module``: output, input gradient, and the shard's parameters and gradients.
 
     Both run forward and backward with the same random upstream gradient. The expected shard
@@ -654,14 +669,14 @@ def check_sharded(name: str, module: nn.Module, shard_fn: Callable[[nn.Module], 
     report_check(f"{name}: shard parameters and gradients", shard, expected, **tol)
 
 
-def _check_everything(small: bool) -> None:
+def _check_everything(small: bool) -> dict[str, Any]:
     """In a rank: column/row-parallel linear, MLP, attention and block against the single-device modules; then bytes and times."""
     from course_lib.dist import rank_device
 
     rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
     cfg = models.GPTConfig(d_model=32, n_head=8, seq_len=8) if small else models.GPTConfig(d_model=1024, n_head=16, seq_len=256)
     b, s, h = (2 if small else 4), cfg.seq_len, cfg.d_model
-    block = models.GPT(cfg, seed=0).blocks[0].to(device, torch.float64)
+    block = cast(models.Block, models.GPT(cfg, seed=0).blocks[0]).to(device, torch.float64)  # ModuleList: untyped items
     x = torch.randn(b, s, h, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
     x_wide = torch.randn(b, s, cfg.d_ff, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(device)
     check_sharded("ColumnParallelLinear (gather_output)", block.mlp.fc,

@@ -18,6 +18,26 @@ import torch
 
 from course_lib.fallback import describe
 
+__all__ = [
+    "TOLERANCES",
+    "NotDoneYet",
+    "assert_close",
+    "assert_equal",
+    "assert_raises",
+    "is_implemented",
+    "call",
+    "by_reference",
+    "is_by_reference",
+    "student_side",
+    "sending_to",
+    "recording",
+    "compare_recordings",
+    "reference_run",
+    "hidden_seed",
+    "secret_seed",
+    "not_done",
+]
+
 # Default tolerances per dtype: about a few units in the last place of each format.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-10, 1e-12),
@@ -86,9 +106,8 @@ def assert_close(
 def assert_equal(actual: Any, expected: Any, *, name: str = "result") -> None:
     """Check exact equality of plain values (numbers, strings, tuples, dicts), naming both on failure."""
     _record("equal", name, actual, {})
-    if isinstance(expected, float) and isinstance(actual, (int, float)):
-        if math.isnan(expected) and math.isnan(actual):
-            return
+    if isinstance(expected, float) and isinstance(actual, (int, float)) and math.isnan(expected) and math.isnan(actual):
+        return
     if actual != expected:
         raise AssertionError(f"{name}: got {actual!r}, expected {expected!r}")
 

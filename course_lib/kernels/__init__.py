@@ -4,3 +4,5 @@
 - ``tiling_coalescing`` (chapter 09): coalesced and strided access, the tiled matmul.
 - ``flash_attention`` (chapter 10): FlashAttention forward and backward.
 """
+
+__all__ = ["flash_attention", "fusion", "tiling_coalescing"]

@@ -35,8 +35,19 @@ import torch
 
 from course_lib import env  # sets TRITON_INTERPRET=1 without a GPU; must precede triton
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+# isort: split
+import triton
+import triton.language as tl
+
+__all__ = [
+    "LOG2E",
+    "HEAD_DIMS",
+    "INTERPRETER_BLOCK",
+    "flash_attention_forward",
+    "flash_attention_backward",
+    "FlashAttention",
+    "flash_attention",
+]
 
 LOG2E: float = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 HEAD_DIMS: tuple[int, ...] = (16, 32, 64, 128)
@@ -88,7 +99,7 @@ def _fwd_inner(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, qk_scale, H, N,
+    Q, K, V, Out, LSE, qk_scale, H, N,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -137,8 +148,8 @@ def _fwd_kernel(
     # logsumexp of the scaled scores in natural-log units: (m_i + log2 l_i) is in log2 units.
     lse = (m_i + tl.math.log2(l_i)) / _LOG2E
     tl.store(LSE + off_hz * N + offs_m, lse, mask=offs_m < N)
-    o_ptrs = O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < N)
+    o_ptrs = Out + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=offs_m[:, None] < N)
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,13 +158,13 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _bwd_preprocess(O, DO, DELTA, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta = rowsum(dO * O) for BLOCK_M rows of one (batch, head); O and dO are contiguous."""
+def _bwd_preprocess(Out, DO, DELTA, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O) for BLOCK_M rows of one (batch, head); O (``Out``) and dO are contiguous."""
     off_hz = tl.program_id(1)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs = off_hz * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    o = tl.load(O + offs, mask=offs_m[:, None] < N, other=0.0).to(tl.float32)
+    o = tl.load(Out + offs, mask=offs_m[:, None] < N, other=0.0).to(tl.float32)
     do = tl.load(DO + offs, mask=offs_m[:, None] < N, other=0.0).to(tl.float32)
     tl.store(DELTA + off_hz * N + offs_m, tl.sum(o * do, 1), mask=offs_m < N)
 

@@ -23,9 +23,21 @@ from dataclasses import dataclass
 
 from course_lib import env  # noqa: F401  (must come first: selects Triton's interpreter without a GPU)
 
+# isort: split
 import torch
 import triton
 import triton.language as tl
+
+__all__ = [
+    "SOFTMAX_MAX_BLOCK",
+    "ELEMENTWISE_BLOCK",
+    "add",
+    "bias_gelu",
+    "softmax",
+    "softmax_backward",
+    "adam_step_",
+    "FlatAdam",
+]
 
 Tensor = torch.Tensor
 
@@ -466,8 +478,9 @@ class FlatAdam(torch.optim.Optimizer):
                 if p.grad is None or p.grad.data_ptr() != group.flat_grad[group.offsets[i]:].data_ptr():
                     p.grad = group.flat_grad[group.offsets[i]:group.offsets[i + 1]].view_as(p)
 
+    # torch types a closure's loss as a float; here, as in torch's own optimizers, it is the loss tensor.
     @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:  # type: ignore[override]
         """One Adam/AdamW step of every group, one kernel each; with ``closure``, re-evaluate the loss first."""
         loss = None
         if closure is not None:

@@ -20,10 +20,23 @@ import torch
 
 from course_lib import env  # sets TRITON_INTERPRET=1 without a GPU; must come before any kernel
 
-import triton  # noqa: E402  (after env, on purpose)
-import triton.language as tl  # noqa: E402
+# isort: split
+import triton  # after env, on purpose
+import triton.language as tl
 
-from course_lib.profiling import achieved_rates, arithmetic_intensity, matmul_flops_bytes  # noqa: E402
+from course_lib.profiling import achieved_rates, arithmetic_intensity, matmul_flops_bytes
+
+__all__ = [
+    "copy",
+    "copy_columns",
+    "transpose",
+    "grouped_program_id",
+    "matmul_with_blocks",
+    "matmul",
+    "matmul_naive",
+    "tiled_matmul_hbm_bytes",
+    "matmul_rates",
+]
 
 # Tile shapes of the copies and transposes: 8K-16K elements per program keeps enough bytes in
 # flight per SM on a GPU; under the interpreter fewer, larger programs run faster.
