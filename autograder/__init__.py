@@ -13,3 +13,8 @@ Execute step, with test cells judged by the tester), ``bench`` (grading throughp
 of an nbgrader log that matters), ``validate`` (a notebook's tests, run the way the grader runs
 them) and ``cli`` (``python -m autograder``).
 """
+
+__all__ = [
+    "agent", "bench", "cli", "config", "course", "execute", "feedback", "grade", "intake", "kernel", "logs", "maths", "pin",
+    "release", "sandbox", "tester", "validate", "wire", "worker",
+]

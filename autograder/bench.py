@@ -18,6 +18,8 @@ from pathlib import Path
 from .course import Course, default_course_root
 from .grade import grade_submissions
 
+__all__ = ["main"]
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; exit 0 when every copy was graded with full marks."""

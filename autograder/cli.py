@@ -10,6 +10,8 @@ from .config import DEFAULT_CELL_TIMEOUT, DEFAULT_SUBMISSION_TIMEOUT
 from .course import Course, UnknownChapterError, default_course_root
 from .sandbox import DEFAULT_DISK_BYTES, DEFAULT_MAX_PROCESSES, DEFAULT_MEMORY_BYTES
 
+__all__ = ["build_parser", "main"]
+
 RELEASE_HELP = """\
 Generate the student notebooks notebooks/NN_name/NN_name.ipynb from the instructor
 notebooks solutions/NN_name/NN_name.ipynb with nbgrader generate_assignment: solutions

@@ -24,6 +24,11 @@ from pathlib import Path
 
 from traitlets.config import Config
 
+__all__ = [
+    "DEFAULT_CELL_TIMEOUT", "DEFAULT_SUBMISSION_TIMEOUT", "HARMLESS_STDERR", "PACKAGE_PARENT", "RELEASE_DIRECTORY",
+    "SECRET_VARIABLE", "SOURCE_DIRECTORY", "child_environment", "course_environment", "nbgrader_config",
+]
+
 SOURCE_DIRECTORY = "solutions"
 RELEASE_DIRECTORY = "notebooks"
 DEFAULT_CELL_TIMEOUT = 120

@@ -11,6 +11,11 @@ from nbformat import NotebookNode
 
 from .config import PACKAGE_PARENT, RELEASE_DIRECTORY, SOURCE_DIRECTORY
 
+__all__ = [
+    "HIDDEN_BEGIN", "HIDDEN_END", "Course", "UnknownChapterError", "default_course_root", "graded_points", "is_test_cell",
+    "read_notebook",
+]
+
 
 class UnknownChapterError(ValueError):
     """A chapter name that has no ``solutions/<name>/<name>.ipynb``."""

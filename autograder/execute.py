@@ -32,7 +32,7 @@ from traitlets import Dict, Float, Integer, Unicode
 
 from .course import is_test_cell
 
-__all__ = ["TesterProcess", "TrustedExecute"]
+__all__ = ["HIDDEN_FAILURE", "VISIBLE_FAILURE", "TesterProcess", "TrustedExecute"]
 
 TRUNCATED = "\n[output truncated by the grader: the notebook printed more than {} MB]\n"
 # A line of output that the grader adds before the student's own printing in a test cell.

@@ -33,6 +33,8 @@ from traitlets import Bool
 from .course import is_test_cell
 from .maths import to_mathml
 
+__all__ = ["InertHTMLExporter", "InertOutputs", "RedactHiddenTests"]
+
 # What the page may not load from elsewhere, and the style that makes long messages wrap.
 _REMOTE_SCRIPT = re.compile(r"<script\b[^>]*\bsrc\s*=\s*[\"']?(?:https?:)?//[^>]*>\s*</script>", re.I)
 _MATHJAX_CONFIG = re.compile(r"<script\b[^>]*type\s*=\s*[\"']text/x-mathjax-config[\"'][^>]*>.*?</script>", re.I | re.S)
@@ -172,7 +174,10 @@ class InertHTMLExporter(HTMLExporter):
     content is escaped text by then.
     """
 
-    def from_notebook_node(self, nb: NotebookNode, resources: Any = None, **kw: Any) -> tuple[str, ResourcesDict]:
+    # The page is a str, as in nbconvert's own HTMLExporter, which overrides the base Exporter's NotebookNode the same way.
+    def from_notebook_node(  # type: ignore[override]
+        self, nb: NotebookNode, resources: Any = None, **kw: Any
+    ) -> tuple[str, ResourcesDict]:
         """The page, with remote scripts and MathJax's configuration removed and the wrapping style added."""
         body, resources = super().from_notebook_node(nb, resources, **kw)
         body = _REMOTE_SCRIPT.sub("", body)

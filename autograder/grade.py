@@ -54,15 +54,34 @@ import psutil
 from .config import DEFAULT_CELL_TIMEOUT, DEFAULT_SUBMISSION_TIMEOUT, SECRET_VARIABLE, child_environment
 from .course import Course, graded_points, read_notebook
 from .intake import (
-    MAX_NOTEBOOK_BYTES, RefusedFile, TooLarge, check_notebook, copy_regular, id_problem, open_folder, read_regular,
-    shown, write_whole,
+    MAX_NOTEBOOK_BYTES,
+    RefusedFile,
+    TooLarge,
+    check_notebook,
+    copy_regular,
+    id_problem,
+    open_folder,
+    read_regular,
+    shown,
+    write_whole,
 )
 from .logs import last_relevant_line
 from .release import ReleaseError, generate_assignments
 from .sandbox import (
-    DEFAULT_DISK_BYTES, DEFAULT_MAX_PROCESSES, DEFAULT_MEMORY_BYTES, DISK_VARIABLE, IPC_BYTES, Cgroup, check_available,
-    in_private_tmpfs, private_tmpfs_available, unenforced_limits, uses_gpu,
+    DEFAULT_DISK_BYTES,
+    DEFAULT_MAX_PROCESSES,
+    DEFAULT_MEMORY_BYTES,
+    DISK_VARIABLE,
+    IPC_BYTES,
+    Cgroup,
+    check_available,
+    in_private_tmpfs,
+    private_tmpfs_available,
+    unenforced_limits,
+    uses_gpu,
 )
+
+__all__ = ["FORMULA_STARTS", "Grade", "Submission", "find_submissions", "grade_submissions", "write_grades"]
 
 GRADES_COLUMNS = ["student_id", "chapter", "score", "max_score", "status", "message"]
 DETAIL_COLUMNS = ["student_id", "chapter", "grade_id", "score", "max_score"]
@@ -120,7 +139,8 @@ def scan_submissions(submissions_dir: Path, chapter: str | None = None) -> tuple
     a problem, and so does a student folder whose name cannot be an id. With ``chapter``,
     submissions about a whole student folder (chapter unknown) are kept too.
     """
-    found, ignored = [], []
+    found: list[Submission] = []
+    ignored: list[str] = []
     with _opened(_open_root(submissions_dir)) as root:
         for entry in _entries(root):
             student = shown(entry.name)
@@ -229,6 +249,9 @@ def precheck(sub: Submission, submissions_dir: Path, max_scores: dict[str, float
     return data
 
 
+_print_flushed = partial(print, flush=True)  # the default ``report``: each line shown as it comes
+
+
 def grade_submissions(
     course: Course,
     submissions_dir: Path,
@@ -243,7 +266,7 @@ def grade_submissions(
     max_processes: int = DEFAULT_MAX_PROCESSES,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     disk_bytes: int = DEFAULT_DISK_BYTES,
-    report: Callable[[str], None] = partial(print, flush=True),
+    report: Callable[[str], None] = _print_flushed,
 ) -> list[Grade]:
     """Grade every submission, write grades.csv, grades_detail.csv and feedback/ into ``out_dir``; return the grades.
 

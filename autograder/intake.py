@@ -27,6 +27,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+__all__ = [
+    "MAX_NOTEBOOK_BYTES", "RefusedFile", "TooLarge", "check_notebook", "copy_regular", "id_problem", "main", "open_folder",
+    "read_regular", "shown", "write_whole",
+]
+
 # A submitted notebook larger than this is not read (the course's solution notebooks are under 100 kB).
 MAX_NOTEBOOK_BYTES = 20 * 2**20
 # The child that parses a notebook: at most this long, and this much address space.

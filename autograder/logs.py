@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+__all__ = ["failure_reason", "last_relevant_line"]
+
 # Lines that only say "see above"; the reason is elsewhere.
 _GENERIC = re.compile(r"There was an error processing assignment|Please see the|Traceback \(most recent call last\)")
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(?:Error|Exception|Exit|Interrupt|Died)\b.*")

@@ -16,14 +16,19 @@ __all__ = ["to_mathml"]
 
 MATHML = "http://www.w3.org/1998/Math/MathML"
 ELEMENTS = frozenset(
-    "math mrow mi mn mo mtext ms mspace mfrac msqrt mroot msub msup msubsup munder mover munderover "
-    "mtable mtr mtd mstyle mpadded mphantom menclose mfenced merror".split()
+    [
+        "math", "mrow", "mi", "mn", "mo", "mtext", "ms", "mspace", "mfrac", "msqrt", "mroot", "msub", "msup",
+        "msubsup", "munder", "mover", "munderover", "mtable", "mtr", "mtd", "mstyle", "mpadded", "mphantom",
+        "menclose", "mfenced", "merror"
+    ]
 )
 ATTRIBUTES = frozenset(
-    "display mathvariant stretchy fence separator lspace rspace columnalign rowalign rowspacing "
-    "columnspacing columnlines rowlines frame width height depth accent accentunder linethickness "
-    "displaystyle scriptlevel minsize maxsize movablelimits form notation open close separators "
-    "symmetric largeop".split()
+    [
+        "display", "mathvariant", "stretchy", "fence", "separator", "lspace", "rspace", "columnalign", "rowalign",
+        "rowspacing", "columnspacing", "columnlines", "rowlines", "frame", "width", "height", "depth", "accent",
+        "accentunder", "linethickness", "displaystyle", "scriptlevel", "minsize", "maxsize", "movablelimits", "form",
+        "notation", "open", "close", "separators", "symmetric", "largeop"
+    ]
 )
 
 

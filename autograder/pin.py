@@ -13,6 +13,8 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+__all__ = ["PINNED_DIRECTORY", "pin_chapter", "pinned_cell_ids"]
+
 PIN_MARKER = "# NBVAL_CHECK_OUTPUT"
 PINNED_DIRECTORY = Path("tests") / "pinned_outputs"
 

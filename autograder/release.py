@@ -14,6 +14,8 @@ from .config import course_environment, nbgrader_config
 from .course import Course, is_test_cell
 from .logs import failure_reason
 
+__all__ = ["ReleaseError", "generate_assignments", "release"]
+
 
 class ReleaseError(RuntimeError):
     """nbgrader could not generate a chapter's student version."""

@@ -35,6 +35,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+__all__ = [
+    "DEFAULT_DISK_BYTES", "DEFAULT_MAX_PROCESSES", "DEFAULT_MEMORY_BYTES", "DISK_VARIABLE", "IPC_BYTES", "KERNEL_NAME",
+    "Cgroup", "KernelSandbox", "SandboxUnavailable", "bwrap_path", "bwrap_supports_size", "check_available", "in_private_tmpfs",
+    "kernel_environment", "private_tmpfs_available", "unenforced_limits", "uses_gpu",
+]
+
 KERNEL_NAME = "autograder-sandbox"
 # The kernel and what it starts: 4 gloo ranks with their threads fit easily; a fork bomb does not.
 DEFAULT_MAX_PROCESSES = 512

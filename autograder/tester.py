@@ -265,15 +265,19 @@ class Channel:
                 return
             try:
                 _, number, ref, op, args, kwargs = message
-                obj = self.refs[ref]
-                result = {"call": lambda: obj(*args, **kwargs), "getattr": lambda: getattr(obj, args[0]),
-                          "iter": lambda: iter(obj), "next": lambda: next(obj), "len": lambda: len(obj)}[op]()
+                result = _perform(self.refs[ref], op, args, kwargs)
                 self.send(("answer", number, result))
             except BaseException as exc:  # an exception of the trusted object goes back to the student's code
                 try:
                     self.send(("failure", message[1], (type(exc).__name__, str(exc))))
                 except Exception:
                     return
+
+
+def _perform(obj: Any, op: Any, args: Any, kwargs: Any) -> Any:
+    """The kernel's operation ``op`` on an object kept here (KeyError for an unknown one)."""
+    return {"call": lambda: obj(*args, **kwargs), "getattr": lambda: getattr(obj, args[0]),
+            "iter": lambda: iter(obj), "next": lambda: next(obj), "len": lambda: len(obj)}[op]()
 
 
 class _Pickler(cloudpickle.CloudPickler):
@@ -483,7 +487,7 @@ class Tester:
         """Each student name that a course_lib module imported by the notebook also defines, with that object."""
         import types
 
-        found = {}
+        found: dict[str, Any] = {}
         for value in list(self.namespace.values()):
             if isinstance(value, types.ModuleType) and value.__name__.startswith("course_lib"):
                 for name in self.student_names:
@@ -532,7 +536,7 @@ class Tester:
             self.server.settimeout(max(deadline - time.monotonic(), 0.01))
             try:
                 sock, _ = self.server.accept()
-            except socket.timeout:
+            except TimeoutError:
                 raise ChannelClosed("the notebook never started the test (its kernel did not answer the grader)") from None
             sock.settimeout(None)
             try:

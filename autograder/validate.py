@@ -21,6 +21,8 @@ from nbformat import NotebookNode
 from .config import DEFAULT_CELL_TIMEOUT, course_environment, nbgrader_config
 from .course import HIDDEN_BEGIN, is_test_cell, read_notebook
 
+__all__ = ["CellOutcome", "CrashedCell", "Validation", "inspect_notebook", "run_notebook", "saved_note", "summarise"]
+
 STDERR_PROBLEM = "wrote to stderr, which nbgrader scores as a failure"
 _FALLBACK_NOTE = re.compile(r"^note: (\S+) .*using the reference", re.MULTILINE)
 

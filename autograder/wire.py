@@ -24,6 +24,7 @@ import json
 import math
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ MAX_INT_DIGITS = 5000
 _HEADER = struct.Struct(">Q")
 _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 _NUMPY_KINDS = "biufc"  # bool, signed, unsigned, float, complex: never object, str or void
+_COLLECTION_TAGS: dict[type, str] = {list: "l", tuple: "t", set: "e", frozenset: "z"}
 
 
 class WireError(ValueError):
@@ -114,7 +116,7 @@ def _encode(x: Any, keep: Any, buffers: list[bytes], depth: int) -> Any:
         return ["y", len(buffers) - 1]
     if t in (list, tuple, set, frozenset):
         items = sorted(x, key=repr) if t in (set, frozenset) else x
-        return [{list: "l", tuple: "t", set: "e", frozenset: "z"}[t], [_encode(v, keep, buffers, down) for v in items]]
+        return [_COLLECTION_TAGS[t], [_encode(v, keep, buffers, down) for v in items]]
     if t is dict:
         return ["d", [[_encode(k, keep, buffers, down), _encode(v, keep, buffers, down)] for k, v in x.items()]]
     if t is torch.Size:
@@ -145,8 +147,11 @@ def _encode(x: Any, keep: Any, buffers: list[bytes], depth: int) -> Any:
 
 def _base_value(x: Any) -> Any:
     """The plain value of an instance of a subclass of str, int, float, list, tuple or dict (else None)."""
-    for base, plain in ((str, str.__str__), (int, int.__int__), (float, float.__float__), (complex, complex.__complex__),
-                        (tuple, tuple), (list, list), (dict, lambda d: dict(dict.items(d)))):
+    bases: tuple[tuple[type, Callable[[Any], Any]], ...] = (
+        (str, str.__str__), (int, int.__int__), (float, float.__float__), (complex, complex.__complex__),
+        (tuple, tuple), (list, list), (dict, lambda d: dict(dict.items(d))),
+    )
+    for base, plain in bases:
         if isinstance(x, base) and type(x) is not base:
             value = plain(x)
             return value if type(value) is base else base.__new__(base, value)
@@ -161,7 +166,11 @@ def _encode_tensor(x: torch.Tensor, buffers: list[bytes]) -> list:
         raise WireError(f"a {x.layout} tensor is not plain data")
     data = x.detach()
     strides = list(data.stride()) if _dense_permutation(data) else None
-    order = sorted(range(data.dim()), key=lambda i: -data.stride(i)) if strides else list(range(data.dim()))
+
+    def largest_stride_first(i: int) -> int:
+        return -data.stride(i)
+
+    order = sorted(range(data.dim()), key=largest_stride_first) if strides else list(range(data.dim()))
     dense = data.permute(*order).contiguous().cpu() if data.dim() else data.contiguous().cpu()
     raw = dense.reshape(-1).view(torch.uint8) if dense.numel() and dense.element_size() else torch.empty(0, dtype=torch.uint8)
     buffers.append(raw.numpy().tobytes())
@@ -296,7 +305,8 @@ class _Decoder:
         if len(data) != numel * itemsize:
             raise WireError("a tensor whose bytes do not match its shape and dtype")
         flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if numel and itemsize else torch.empty(0, dtype=torch.uint8)
-        dense = flat.view(dtype).reshape([shape[i] for i in order]) if numel else torch.empty([shape[i] for i in order], dtype=dtype)
+        permuted = [shape[i] for i in order]
+        dense = flat.view(dtype).reshape(permuted) if numel else torch.empty(permuted, dtype=dtype)
         inverse = sorted(range(len(order)), key=lambda i: order[i])
         out = dense.permute(*inverse) if shape else dense.reshape(())
         if strides is None:

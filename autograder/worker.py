@@ -24,6 +24,8 @@ from .kernel import CONFIG_VARIABLE
 from .logs import failure_reason
 from .sandbox import KERNEL_NAME, KernelSandbox, kernel_environment
 
+__all__ = ["failed_tests", "main", "trusted_config"]
+
 
 def trusted_config(scratch: Path, source_dir: Path, chapter: str, student: str, *, sandboxed: bool,
                    memory_bytes: int | None, cell_timeout: int) -> Config:

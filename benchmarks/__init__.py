@@ -3,3 +3,5 @@
 ``benchmarks.cases`` measures (CUDA only), ``benchmarks.report`` writes what was measured as
 JSON and markdown; ``python -m benchmarks --help`` says how to run it.
 """
+
+__all__ = ["cases", "distributed", "notebooks", "report"]

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
@@ -47,6 +47,8 @@ import torch
 
 from benchmarks import cases
 from benchmarks.report import Report
+
+__all__ = ["main"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NO_GPU_MESSAGE = (
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         torch_version=torch.__version__,
         triton_version=triton.__version__,
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
         copy_gbps=copy,
         quick=args.quick,
         results=results,

@@ -9,6 +9,7 @@ and frees GPU memory between them.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import time
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 
 from benchmarks.report import Result, Target
 from course_lib import env
+
+__all__ = ["CASES", "DEVICE", "FULL", "QUICK", "Sizes", "run"]
 
 DEVICE = "cuda"  # what the suite measures; the CPU tests point it at "cpu" to check the plumbing
 MAX_ERROR_CHARS = 300
@@ -195,18 +198,12 @@ def bias_gelu(sizes: Sizes) -> Iterator[Result]:
     yield result
 
 
-def adam(sizes: Sizes) -> Iterator[Result]:
-    """One optimizer step over many fp32 tensors: FlatAdam against torch.optim.Adam (fused, foreach, for-loop)."""
-    count, rows, cols = sizes.adam
-    params = [torch.nn.Parameter(torch.randn(rows, cols, device=DEVICE)) for _ in range(count)]
-    grads = [torch.randn_like(p) for p in params]
-    for p, g in zip(params, grads):
-        p.grad = g
-    result = Result(
-        "adam", [count, rows, cols], "float32", "ms", "torch.optim.Adam(fused=True).step()",
-        targets=[Target("time_factor", 1.1)],
-        notes=["time of one step() over all tensors; gradients set to random values once, before timing"],
-    )
+def _adam_fused(result: Result, params: list[torch.nn.Parameter], grads: list[torch.Tensor], sizes: Sizes) -> None:
+    """Time FlatAdam (checked against the fused step) and torch.optim.Adam(fused=True) into ``result``.
+
+    A function of its own so that the fused optimizer and its state are freed when it returns,
+    before the foreach and for-loop optimizers are built.
+    """
     fused = torch.optim.Adam(params, fused=True, **ADAM_HPARAMS)
 
     def measure() -> float:
@@ -225,33 +222,56 @@ def adam(sizes: Sizes) -> Iterator[Result]:
 
     _ours(result, measure)
     result.reference = _ms(fused.step, sizes)
-    del fused
-    for label, kwargs in (("foreach", {"foreach": True}), ("for-loop", {"foreach": False})):
-        _extra(result, label, lambda: _ms(torch.optim.Adam(params, **kwargs, **ADAM_HPARAMS).step, sizes))
+
+
+def _adam_step_ms(params: list[torch.nn.Parameter], foreach: bool, sizes: Sizes) -> float:
+    """Milliseconds of one step() of a new torch.optim.Adam(foreach=foreach) over ``params``."""
+    return _ms(torch.optim.Adam(params, foreach=foreach, **ADAM_HPARAMS).step, sizes)
+
+
+def adam(sizes: Sizes) -> Iterator[Result]:
+    """One optimizer step over many fp32 tensors: FlatAdam against torch.optim.Adam (fused, foreach, for-loop)."""
+    count, rows, cols = sizes.adam
+    params = [torch.nn.Parameter(torch.randn(rows, cols, device=DEVICE)) for _ in range(count)]
+    grads = [torch.randn_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    result = Result(
+        "adam", [count, rows, cols], "float32", "ms", "torch.optim.Adam(fused=True).step()",
+        targets=[Target("time_factor", 1.1)],
+        notes=["time of one step() over all tensors; gradients set to random values once, before timing"],
+    )
+    _adam_fused(result, params, grads, sizes)
+    for label, foreach in (("foreach", True), ("for-loop", False)):
+        _extra(result, label, functools.partial(_adam_step_ms, params, foreach, sizes))
     yield result
+
+
+def _matmul_one(n: int, sizes: Sizes) -> Result:
+    """The row of one square size; its inputs are freed when it returns."""
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    flops = 2 * n**3
+    result = Result(
+        f"matmul_{n}", [n, n, n], "bfloat16", "TFLOP/s", "torch.matmul, cuBLAS",
+        targets=[Target("ratio", 0.8)],
+        notes=["shape is M, N, K; TFLOP/s = 2 M N K / time"],
+    )
+    result.reference = _tflops(flops, _ms(lambda: torch.matmul(a, b), sizes))
+
+    def measure() -> float:
+        ours = _kernel("tiling_coalescing", "matmul")
+        _check_close(ours(a, b), torch.matmul(a, b), 2e-2)
+        return _tflops(flops, _ms(lambda: ours(a, b), sizes))
+
+    _ours(result, measure)
+    return result
 
 
 def matmul(sizes: Sizes) -> Iterator[Result]:
     """Square bf16 matmuls against torch.matmul (cuBLAS)."""
     for n in sizes.matmul:
-        a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-        flops = 2 * n**3
-        result = Result(
-            f"matmul_{n}", [n, n, n], "bfloat16", "TFLOP/s", "torch.matmul, cuBLAS",
-            targets=[Target("ratio", 0.8)],
-            notes=["shape is M, N, K; TFLOP/s = 2 M N K / time"],
-        )
-        result.reference = _tflops(flops, _ms(lambda: torch.matmul(a, b), sizes))
-
-        def measure() -> float:
-            ours = _kernel("tiling_coalescing", "matmul")
-            _check_close(ours(a, b), torch.matmul(a, b), 2e-2)
-            return _tflops(flops, _ms(lambda: ours(a, b), sizes))
-
-        _ours(result, measure)
-        yield result
-        del a, b
+        yield _matmul_one(n, sizes)
 
 
 def _backward_ms(
@@ -262,10 +282,53 @@ def _backward_ms(
     return _ms(lambda: out.backward(grad_out, retain_graph=True), sizes, grad_to_none=inputs)
 
 
-def attention(sizes: Sizes) -> Iterator[Result]:
-    """FlashAttention forward and backward, bf16, non-causal and causal, against SDPA's flash backend."""
+def _attention_pair(
+    inputs: list[torch.Tensor], grad_out: torch.Tensor, causal: bool, notes: dict[str, list[str]], sizes: Sizes
+) -> tuple[Result, Result]:
+    """The forward and backward rows of one causal setting; the expected outputs are freed when it returns."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    q, k, v = inputs
+    batch, heads, seq, dim = sizes.attention
+    flops = 4 * batch * heads * seq * seq * dim / (2 if causal else 1)
+    suffix = "_causal" if causal else ""
+    fwd, bwd = (
+        Result(
+            f"attention_{part}{suffix}", [batch, heads, seq, dim], "bfloat16", "TFLOP/s",
+            "SDPA, flash backend", targets=[Target("ratio", ratio)], notes=notes[part],
+        )
+        for part, ratio in (("fwd", 0.8), ("bwd", 0.6))
+    )
+
+    def reference() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        expected = reference()
+        expected_grads = torch.autograd.grad(expected, inputs, grad_out)
+        fwd.reference = _tflops(flops, _ms(reference, sizes))
+        bwd.reference = _tflops(2.5 * flops, _backward_ms(reference, grad_out, inputs, sizes))
+
+    def ours() -> torch.Tensor:
+        return _kernel("flash_attention", "flash_attention")(q, k, v, causal=causal)
+
+    def measure_fwd() -> float:
+        _check_close(ours().detach(), expected.detach(), 2e-2)
+        return _tflops(flops, _ms(ours, sizes))
+
+    def measure_bwd() -> float:
+        grads = torch.autograd.grad(ours(), inputs, grad_out)
+        for name, got, want in zip("qkv", grads, expected_grads):
+            _check_close(got, want, 2e-2, f"d{name}")
+        return _tflops(2.5 * flops, _backward_ms(ours, grad_out, inputs, sizes))
+
+    _ours(fwd, measure_fwd)
+    _ours(bwd, measure_bwd)
+    return fwd, bwd
+
+
+def attention(sizes: Sizes) -> Iterator[Result]:
+    """FlashAttention forward and backward, bf16, non-causal and causal, against SDPA's flash backend."""
     batch, heads, seq, dim = sizes.attention
     q, k, v = (
         torch.randn(batch, heads, seq, dim, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
@@ -279,43 +342,7 @@ def attention(sizes: Sizes) -> Iterator[Result]:
                 "q/k/v grads reset to None before each call"],
     }
     for causal in (False, True):
-        flops = 4 * batch * heads * seq * seq * dim / (2 if causal else 1)
-        suffix = "_causal" if causal else ""
-        fwd, bwd = (
-            Result(
-                f"attention_{part}{suffix}", [batch, heads, seq, dim], "bfloat16", "TFLOP/s",
-                "SDPA, flash backend", targets=[Target("ratio", ratio)], notes=notes[part],
-            )
-            for part, ratio in (("fwd", 0.8), ("bwd", 0.6))
-        )
-
-        def reference(causal: bool = causal) -> torch.Tensor:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            expected = reference()
-            expected_grads = torch.autograd.grad(expected, inputs, grad_out)
-            fwd.reference = _tflops(flops, _ms(reference, sizes))
-            bwd.reference = _tflops(2.5 * flops, _backward_ms(reference, grad_out, inputs, sizes))
-
-        def ours(causal: bool = causal) -> torch.Tensor:
-            return _kernel("flash_attention", "flash_attention")(q, k, v, causal=causal)
-
-        def measure_fwd() -> float:
-            _check_close(ours().detach(), expected.detach(), 2e-2)
-            return _tflops(flops, _ms(ours, sizes))
-
-        def measure_bwd() -> float:
-            grads = torch.autograd.grad(ours(), inputs, grad_out)
-            for name, got, want in zip("qkv", grads, expected_grads):
-                _check_close(got, want, 2e-2, f"d{name}")
-            return _tflops(2.5 * flops, _backward_ms(ours, grad_out, inputs, sizes))
-
-        _ours(fwd, measure_fwd)
-        _ours(bwd, measure_bwd)
-        del expected, expected_grads
-        yield fwd
-        yield bwd
+        yield from _attention_pair(inputs, grad_out, causal, notes, sizes)
 
 
 def add(sizes: Sizes) -> Iterator[Result]:

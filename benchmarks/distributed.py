@@ -39,13 +39,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ from torch import nn
 from benchmarks.report import RATIO_CONVENTION, Result, Target
 from course_lib import collectives, data_parallel, models
 from course_lib.dist import max_abs_error, rank_device, report_check, run_as_script, run_entry, set_nccl_env_defaults
+
+__all__ = ["main"]
 
 SCHEMA_VERSION = 1
 BUCKET_MB = 25.0
@@ -131,9 +134,12 @@ def all_reduce_section(small: bool) -> dict[str, Any]:
     rows = []
     for n_bytes in sizes:
         t = torch.zeros(n_bytes // 4, device=device)  # zeros stay zeros however often they are summed
-        theirs_ms = time_ms(lambda: dist.all_reduce(t), iters=5 if small else 20, warmup=2 if small else 5)
-        ours_ms = time_ms(lambda: collectives.ring_all_reduce(t), iters=3 if small else 10, warmup=1 if small else 3)
-        busbw = {name: collectives.bus_bandwidth(n_bytes, ms / 1e3, world) / 1e9 for name, ms in (("ours", ours_ms), ("ref", theirs_ms))}
+        theirs_ms = time_ms(functools.partial(dist.all_reduce, t), iters=5 if small else 20, warmup=2 if small else 5)
+        ours_ms = time_ms(functools.partial(collectives.ring_all_reduce, t), iters=3 if small else 10, warmup=1 if small else 3)
+        busbw = {
+            name: collectives.bus_bandwidth(n_bytes, ms / 1e3, world) / 1e9
+            for name, ms in (("ours", ours_ms), ("ref", theirs_ms))
+        }
         rows.append(Result(
             f"all_reduce {_human(n_bytes)}", [n_bytes // 4], "float32", "GB/s", f"dist.all_reduce ({dist.get_backend()})",
             ours=busbw["ours"], reference=busbw["ref"], context={"ring ms": ours_ms, f"{dist.get_backend()} ms": theirs_ms},
@@ -205,7 +211,8 @@ def ddp_section(small: bool) -> dict[str, Any]:
         return step
 
     iters, warmup, rounds = (2, 1, 1) if small else (10, 3, 5)
-    modes = ["compute_only", "communication_only", "bucketed", "torch_ddp", "torch_ddp_view", "naive"] + [f"{m}_hp" for m in TWICE]
+    modes = ["compute_only", "communication_only", "bucketed", "torch_ddp", "torch_ddp_view", "naive"]
+    modes += [f"{m}_hp" for m in TWICE]
     steps = {mode: training_step(mode) for mode in modes}
     per_round: dict[str, list[float]] = {mode: [] for mode in steps}
     for _ in range(rounds):  # modes take turns, so a slow spell of the machine hits all of them
@@ -315,7 +322,8 @@ def to_markdown(run: dict[str, Any]) -> str:
     ]
     for r in s["all_reduce"]["rows"]:
         ring_ms, torch_ms = r.context.values()
-        lines.append(f"| {r.name.split(' ', 1)[1]} | {r.ours:.3g} | {r.reference:.3g} | {ring_ms:.3g} | {torch_ms:.3g} | {r.ratio:.3f} |")
+        size = r.name.split(" ", 1)[1]
+        lines.append(f"| {size} | {r.ours:.3g} | {r.reference:.3g} | {ring_ms:.3g} | {torch_ms:.3g} | {r.ratio:.3f} |")
     ddp = s["ddp"]
     m = ddp["model"]
     lines += [
@@ -324,7 +332,8 @@ def to_markdown(run: dict[str, Any]) -> str:
         "",
         f"GPT of {m['params'] / 1e6:.1f} M parameters ({m['n_layer']} layers x {m['d_model']}), "
         f"{m['batch_per_rank']} x {m['seq_len']} tokens per rank, {m['precision']}, {ddp['bucket_mb']:g} MiB buckets; "
-        f"a step is forward + backward + gradient sync. Max abs difference of the gradients: {ddp['grad_max_abs_err_vs_torch']:.3g}. "
+        "a step is forward + backward + gradient sync. "
+        f"Max abs difference of the gradients: {ddp['grad_max_abs_err_vs_torch']:.3g}. "
         f"Each mode: median of {ddp['rounds']} rounds of {ddp['iters_per_round']} steps, the modes taking turns; "
         "the range is the fastest and slowest round.",
         "",
@@ -411,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     run.update(
         command=f"torchrun --nproc_per_node {run['world_size']} -m benchmarks.distributed "
         + " ".join(sys.argv[1:] if argv is None else argv),
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
         torch=torch.__version__,
         env=env,
         small=args.small,

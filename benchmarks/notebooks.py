@@ -17,12 +17,14 @@ import argparse
 import json
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
 from tqdm.auto import tqdm
+
+__all__ = ["chapters", "device_name", "main", "run_notebook"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +51,8 @@ def run_notebook(path: Path, out_dir: Path, cell_timeout: int) -> dict:
     try:
         client.execute()
     except Exception as err:  # a dead kernel or a cell over the timeout ends this notebook, not the run
-        stopped = [f"notebook stopped: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]]
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        stopped = [f"notebook stopped: {type(err).__name__}: {first_line}"[:300]]
     seconds = time.perf_counter() - start
     errors = [
         f"cell {c.get('id')}: {o.ename}: {o.evalue.splitlines()[0] if o.evalue else ''}"[:300]
@@ -68,7 +71,7 @@ def device_name() -> str:
 
 def write_report(out_dir: Path, rows: list[dict], interrupted: str | None = None) -> str:
     """Write ``times.json`` and ``times.md`` for the notebooks run so far; return the markdown."""
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device_name(), "notebooks": rows,
+    report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name(), "notebooks": rows,
               "total_seconds": round(sum(r["seconds"] for r in rows), 1), "interrupted_in": interrupted}
     (out_dir / "times.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["# Solution notebooks, executed once", "", f"- {report['device']}", f"- {report['date']}", "",

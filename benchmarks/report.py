@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+__all__ = ["KNOWN_SLUGS", "RATIO_CONVENTION", "SCHEMA_VERSION", "Report", "Result", "Target", "TargetKind", "Unit", "gpu_slug"]
+
 Unit = Literal["ms", "GB/s", "TFLOP/s"]
 TargetKind = Literal["ratio", "time_factor", "copy_fraction"]
 

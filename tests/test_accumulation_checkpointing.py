@@ -1,6 +1,7 @@
 """Tests of course_lib.accumulation_checkpointing (chapter 07)."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -190,7 +191,7 @@ def test_peak_saved_bytes_on_cuda_equals_the_cpus_and_stays_under_the_allocators
     x = torch.randn(16, 64, requires_grad=True)
     x_cuda = x.detach().cuda().requires_grad_(True)
     for segments in (1, 2, 3, 8):
-        on_cpu = ac.peak_saved_bytes(lambda t: ac.checkpointed_sequential(layers_cpu, segments, t), x)
-        on_gpu = ac.peak_saved_bytes(lambda t: ac.checkpointed_sequential(layers, segments, t), x_cuda)
+        on_cpu = ac.peak_saved_bytes(functools.partial(ac.checkpointed_sequential, layers_cpu, segments), x)
+        on_gpu = ac.peak_saved_bytes(functools.partial(ac.checkpointed_sequential, layers, segments), x_cuda)
         assert on_gpu == on_cpu, (segments, on_gpu, on_cpu)
-        assert on_gpu <= ac.cuda_peak_bytes(lambda t: ac.checkpointed_sequential(layers, segments, t), x_cuda)
+        assert on_gpu <= ac.cuda_peak_bytes(functools.partial(ac.checkpointed_sequential, layers, segments), x_cuda)

@@ -95,7 +95,7 @@ def test_init_linear_rejects_unknown_scheme() -> None:
 
 def test_dead_unit_fraction() -> None:
     model = models.MLP([4, 8, 8, 1], seed=0)
-    x = torch.randn(100, 4)
+    x = torch.randn(100, 4, generator=torch.Generator().manual_seed(0))  # its own seed: not whatever ran before
     assert act.dead_unit_fraction(model, x) == [0.0, 0.0]
     with torch.no_grad():
         model[0].bias[:4] = -100.0  # half the first layer's units can never be positive

@@ -109,20 +109,24 @@ CHEATS = {
                       "                f.write(json.dumps({'nonce': found.group(1), 'passed': True, 'message': ''}) + '\\n')\n"
                       "get_ipython().events.register('pre_run_cell', _forge)",
     # Lying values: comparisons that always agree.
-    "lying_float": "class _Yes(float):\n    def __eq__(self, other):\n        return True\n    __ne__ = lambda s, o: False\n"
+    "lying_float": "class _Yes(float):\n    def __eq__(self, other):\n        return True\n"
+                   "    __ne__ = lambda s, o: False\n"
                    "    __le__ = __ge__ = __lt__ = __gt__ = __eq__\n    __hash__ = float.__hash__\n"
                    "def _lie(f):\n    return lambda *a, **k: _Yes(0.0)\n",
-    "lying_tensor": "class _Yes(torch.Tensor):\n    @classmethod\n    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
+    "lying_tensor": "class _Yes(torch.Tensor):\n    @classmethod\n"
+                    "    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
                     "        return torch.tensor(True)\n"
                     "def _lie(f):\n    return lambda x: torch.zeros(1).as_subclass(_Yes)\n",
     "tensor_base_methods": "torch._C.TensorBase.__eq__ = lambda *a: torch.tensor(True)\n"
                            "torch._C.TensorBase.allclose = lambda *a, **k: True\n"
                            "torch._C.TensorBase.__bool__ = lambda *a: True",
     "module_class_swap": "import types, math\nclass _M(types.ModuleType):\n    def __getattr__(self, n):\n"
-                         "        return lambda *a, **k: True\nmath.__class__ = _M\nnp.__class__ = _M\ntorch.__class__ = _M",
+                         "        return lambda *a, **k: True\nmath.__class__ = _M\nnp.__class__ = _M\n"
+                         "torch.__class__ = _M",
     "finfo_math_patch": "import math\nmath.isclose = lambda *a, **k: True\ntorch.finfo = lambda *a: None",
     # Reaching the grader from inside: input transformers, ast transformers, gc, profile hooks, threads, signals.
-    "input_transformers": "ip = get_ipython()\n_pass = lambda lines: ['pass\\n']\nip.input_transformers_cleanup.insert(0, _pass)\n"
+    "input_transformers": "ip = get_ipython()\n_pass = lambda lines: ['pass\\n']\n"
+                          "ip.input_transformers_cleanup.insert(0, _pass)\n"
                           "ip.input_transformers_post.append(_pass)",
     "ast_transformer": "import ast\nclass _Empty(ast.NodeTransformer):\n    def visit_Module(self, node):\n"
                        "        return ast.Module(body=[], type_ignores=[])\nget_ipython().ast_transformers.append(_Empty())",
@@ -133,7 +137,8 @@ CHEATS = {
     "profile_hook": "import sys, builtins\n_real = builtins.AssertionError\n"
                     "def _hook(frame, event, arg):\n    builtins.abs = lambda x: 0\nsys.setprofile(_hook)",
     "thread_and_signal": "import threading, signal, time, builtins\n"
-                         "def _spin():\n    while True:\n        torch.allclose = lambda *a, **k: True\n        time.sleep(0.001)\n"
+                         "def _spin():\n    while True:\n        torch.allclose = lambda *a, **k: True\n"
+                         "        time.sleep(0.001)\n"
                          "threading.Thread(target=_spin, daemon=True).start()\n"
                          "signal.signal(signal.SIGALRM, lambda *a: None)\nsignal.setitimer(signal.ITIMER_REAL, 0.01, 0.01)",
     "agent_replaced": "import sys, types\n_fake = types.ModuleType('autograder.agent')\n"
@@ -145,7 +150,8 @@ CHEATS = {
     "delegate_reference": "import importlib\nfrom course_lib.floating_point import tensor_nbytes as _ref\n"
                           "_copy = type(_ref)(_ref.__code__, _ref.__globals__)\n_reloaded = importlib.reload(fp)",
     "hardcoded_hidden": "pass",
-    "patch_reference": "import course_lib.floating_point as _fp\n_fp.tensor_nbytes = lambda t: 0\nfp.tensor_nbytes = _fp.tensor_nbytes",
+    "patch_reference": "import course_lib.floating_point as _fp\n_fp.tensor_nbytes = lambda t: 0\n"
+                       "fp.tensor_nbytes = _fp.tensor_nbytes",
 }
 # How a cheater's function is written when the attack needs it (default: the wrong body of WRONG).
 CHEAT_BODIES = {
@@ -183,8 +189,8 @@ def tiny_sources(paths: dict[str, str], port: int) -> dict[str, tuple[str, Expec
         "visible_only": ("def double(x):\n    return 4 if x == 2 else 0", Expect("ok", 0)),
         "reads_files": (prober + "def _probe():\n" + readable + "\n_probe()" + right_if_held, Expect("ok", 1)),
         "writes_outside": (prober + "def _probe():\n" + writes + "\n_probe()" + right_if_held, Expect("ok", 1)),
-        "network": (prober + "import socket\n_try(lambda: socket.create_connection(('127.0.0.1', %d), timeout=3))\n"
-                    "_try(lambda: socket.create_connection(('1.1.1.1', 53), timeout=3))" % port + right_if_held,
+        "network": (prober + f"import socket\n_try(lambda: socket.create_connection(('127.0.0.1', {port}), timeout=3))\n"
+                    "_try(lambda: socket.create_connection(('1.1.1.1', 53), timeout=3))" + right_if_held,
                     Expect("ok", 1)),
         "loopback_works": ("import socket\n_s = socket.socket()\n_s.bind(('127.0.0.1', 0))\n_s.listen()\n"
                            "socket.create_connection(_s.getsockname(), timeout=3)\ndef double(x):\n    return 2 * x",

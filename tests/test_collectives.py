@@ -48,7 +48,9 @@ def test_reference_matches_torch_and_definition(collective: str) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("collective", ["broadcast", "reduce", "all_gather", "ring_reduce_scatter", "ring_all_gather", "all_reduce"])
+@pytest.mark.parametrize(
+    "collective", ["broadcast", "reduce", "all_gather", "ring_reduce_scatter", "ring_all_gather", "all_reduce"]
+)
 def test_reference_on_other_world_sizes(collective: str, world_size: int) -> None:
     C.check_collective(FUNCTIONS[collective], collective, world_size, _cases(world_size))
 

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib import context_parallel as cp
+from course_lib import dist as cdist
 from course_lib import tensor_parallel as tp
 from course_lib.attention import attention_lse, naive_attention
-from course_lib import dist as cdist
 from course_lib.dist import launch
 from course_lib.testing import assert_close
 
@@ -118,7 +118,7 @@ def test_ring_attention_matches_full_attention(world: int, causal: bool, layout:
     ref_lse = attention_lse(q, k, causal=causal)
     results = launch(_ring_case, world, q, k, v, dout, causal, layout)
     for rank, (out_fwd, lse, out, grads, ag, ag_lse, n_bytes) in enumerate(results):
-        sel = lambda t: cp.shard_sequence(t, rank, world, layout)  # noqa: E731
+        sel = lambda t, rank=rank: cp.shard_sequence(t, rank, world, layout)  # noqa: E731
         assert_close(out_fwd, sel(ref.detach()), name=f"rank {rank} forward")
         assert_close(lse, sel(ref_lse[..., None])[..., 0], name=f"rank {rank} lse")
         assert_close(out, sel(ref.detach()), name=f"rank {rank} autograd forward")

@@ -50,7 +50,9 @@ def test_averaged_shard_gradients_equal_the_big_batch_gradient(world_size: int) 
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize(("n", "world", "shuffle", "drop_last"), [(10, 3, True, False), (10, 3, False, True), (2, 4, True, False), (8, 4, True, True)])
+@pytest.mark.parametrize(
+    ("n", "world", "shuffle", "drop_last"), [(10, 3, True, False), (10, 3, False, True), (2, 4, True, False), (8, 4, True, True)]
+)
 def test_sampler_indices_match_distributed_sampler(n: int, world: int, shuffle: bool, drop_last: bool) -> None:
     data = list(range(n))
     for epoch in (0, 3):
@@ -142,7 +144,8 @@ def _train_in_place_grads(world: int) -> tuple[list[torch.Tensor], bool, list[to
             buckets = {t.untyped_storage().data_ptr() for t in net.bucket_grads}
             views &= all(p.grad.untyped_storage().data_ptr() in buckets for p in model.parameters())
         opt.step()
-    return [p.detach().clone() for p in model.parameters()], views, [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], views, grads
 
 
 def test_bucketed_ddp_grads_live_in_the_buckets_and_accumulate_in_place() -> None:
@@ -189,7 +192,8 @@ def test_bucketed_ddp_averages_within_its_group_only() -> None:
 
 
 def test_zero1_equals_adam_with_sharded_state() -> None:
-    cases = [c for c in CASES if c.optimizer == "adam"] + [dp.TrainCase(sizes=(3, 1, 2), optimizer="adam", lr=0.02, weight_decay=0.1)]
+    cases = [c for c in CASES if c.optimizer == "adam"]
+    cases += [dp.TrainCase(sizes=(3, 1, 2), optimizer="adam", lr=0.02, weight_decay=0.1)]
     for world_size in (2, 3):
         results = _run(dp.train_zero1, world_size, dp.ZeroStage1Optimizer, cases)
         for rank_results in results:

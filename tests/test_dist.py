@@ -186,7 +186,9 @@ def test_forkserver_path_sends_a_closure_by_value(monkeypatch) -> None:
     assert cdist.launch(lambda: dist.get_rank() * factor, 2, backend="gloo", timeout=120) == [0, 3]
     # A second launch reuses the server; output, failures and results work as under fork.
     with pytest.raises(cdist.RankError, match="rank 1 raised ValueError"):
-        cdist.launch(lambda: (_ for _ in ()).throw(ValueError("boom")) if dist.get_rank() == 1 else 0, 2, backend="gloo", timeout=120)
+        cdist.launch(
+            lambda: (_ for _ in ()).throw(ValueError("boom")) if dist.get_rank() == 1 else 0, 2, backend="gloo", timeout=120
+        )
     # The forkserver outlives a launch by design; no rank may.
     left = _children() - before
     assert not left, f"ranks left behind: {sorted(left)}"

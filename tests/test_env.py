@@ -11,7 +11,7 @@ from course_lib import env
 
 
 def test_device_matches_torch() -> None:
-    assert env.HAS_GPU == torch.cuda.is_available()
+    assert torch.cuda.is_available() == env.HAS_GPU
     assert env.DEVICE.type == ("cuda" if env.HAS_GPU else "cpu")
 
 
@@ -51,6 +51,7 @@ def test_known_warnings_are_silenced() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         env.quiet_warnings()
-        warnings.warn("This DataLoader will create 4 worker processes ... does not have many workers", UserWarning)
-        warnings.warn("old api", DeprecationWarning)
+        # stacklevel=1 (the default): the warnings are attributed to this module, as a library's own would be to it.
+        warnings.warn("This DataLoader will create 4 worker processes ... does not have many workers", UserWarning, stacklevel=1)
+        warnings.warn("old api", DeprecationWarning, stacklevel=1)
     assert caught == []

@@ -118,7 +118,7 @@ def _check_kernel(shape, dtype, causal, device, scale=None, seed=0):
     rtol, atol = _tolerance(dtype)
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
         assert g.dtype == dtype and g.shape == r.shape, name
-        torch.testing.assert_close(g.float(), r.float(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g.float(), r.float(), rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
     _, lse = fa.flash_attention_forward(q, k, v, causal, scale)
     assert lse.dtype == torch.float32 and lse.shape == shape[:3]
     torch.testing.assert_close(lse, att.attention_lse(q, k, causal, scale), rtol=1e-3 if env.INTERPRET else 1e-2,

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from course_lib import hybrid
 from course_lib import dist as cdist
+from course_lib import hybrid
 from course_lib.dist import assert_matches_reference, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,4 +22,6 @@ def test_pinned_outputs_match_marked_cells(chapter: str) -> None:
     assert not marked - recorded, f"{chapter}: pinned cells without a recorded output {sorted(marked - recorded)}; {fix}"
     assert not recorded - marked, f"{chapter}: recorded outputs for cells no longer pinned {sorted(recorded - marked)}; {fix}"
     for cell_id in marked:
-        assert json.loads(path.read_text())[cell_id], f"{chapter}: pinned cell {cell_id} has an empty output: pin a cell that prints"
+        assert json.loads(path.read_text())[cell_id], (
+            f"{chapter}: pinned cell {cell_id} has an empty output: pin a cell that prints"
+        )

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining  # noqa: F401  (imported before forking, so ranks do not each import it)
 
-from course_lib import pipeline_parallel as pp
 from course_lib import dist as cdist
+from course_lib import pipeline_parallel as pp
 from course_lib.dist import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +103,10 @@ def _steps_in_rank(cases):
     for sched, m, gpipe in cases:
         model = pp.make_model(5, 4, seed=3, dtype=torch.float64)
         gen = torch.Generator().manual_seed(4)
-        batch = (torch.randn(2 * m, 4, generator=gen, dtype=torch.float64), torch.randn(2 * m, 4, generator=gen, dtype=torch.float64))
+        batch = (
+            torch.randn(2 * m, 4, generator=gen, dtype=torch.float64),
+            torch.randn(2 * m, 4, generator=gen, dtype=torch.float64),
+        )
         ex = (lambda st, ops, *a: pp.gpipe_step(st, *a)) if gpipe else pp.run_schedule
         out = pp.run_pipeline(model, batch, m, sched, executor=ex, warmup=False)
         errors.append(pp._check_against_reference(out, model, batch, sched))

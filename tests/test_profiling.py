@@ -135,10 +135,9 @@ def test_top_ops_reads_new_device_names_for_old_cuda_names() -> None:
 
 def _small_profile(tmp_path) -> tuple:
     a = torch.randn(128, 128)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function("work"):
-            b = a @ a
-            c = b + 1
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, record_function("work"):
+        b = a @ a
+        c = b + 1
     path = tmp_path / "trace.json"
     prof.export_chrome_trace(str(path))
     return prof, path, c

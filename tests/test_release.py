@@ -143,7 +143,10 @@ def test_release_help_mentions_exit_status() -> None:
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_released_exercise_cells_let_run_all_go_on_and_carry_no_ci_markers(chapter: str) -> None:
     released = nbformat.read(COURSE.released_notebook(chapter), as_version=4)
-    exercise = [c for c in released.cells if is_test_cell(c) or (c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("solution"))]
+    exercise = [
+        c for c in released.cells
+        if is_test_cell(c) or (c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("solution"))
+    ]
     assert exercise, f"{chapter}: no exercise cells in the release"
     stopping = [c.metadata.nbgrader["grade_id"] for c in exercise if "raises-exception" not in c.metadata.get("tags", [])]
     assert not stopping, (f"{chapter}: exercise cells without the raises-exception tag stop JupyterLab's Run All "
