@@ -1,7 +1,8 @@
 # Training at Speed: set-up, lab, tests and release.
 #   make lab     set up .venv if needed, then serve JupyterLab on notebooks/ (the student's lab)
 #   make lab-instructor   the same on the project root, with nbgrader's instructor extensions
-#   make test    set up .venv if needed, then run the whole CPU test suite
+#   make test    set up .venv if needed, then run the whole CPU test suite (lint first)
+#   make lint    ruff and mypy only
 # Variables you may override, e.g. `make test TORCH_BUILD=cuda JOBS=4`:
 #   PYTHON       interpreter that creates the venv (3.11 or newer)
 #   TORCH_BUILD  auto | cpu | cuda. auto picks cuda when `nvidia-smi -L` finds a GPU, else cpu.
@@ -26,9 +27,9 @@ ifeq ($(TORCH_BUILD),auto)
   TORCH_BUILD := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 endif
 
-.PHONY: install sandbox-deps browser-deps lab lab-instructor test test-browser test-gpu notebooks-run multi-gpu release bench bench-grading audit clean help
+.PHONY: install sandbox-deps browser-deps lab lab-instructor lint test test-browser test-gpu notebooks-run multi-gpu release bench bench-grading audit clean help
 help:
-	@sed -n '2,11p' Makefile
+	@sed -n '2,12p' Makefile
 
 install: $(STAMP)
 
@@ -66,8 +67,14 @@ lab-instructor: $(STAMP)
 # CPU tier: unit tests, release sync, grading end to end, every solution notebook under nbval, and
 # every released (blank) notebook under nbval: there only exercise cells, tagged raises-exception,
 # may raise, so a lecture cell that breaks without the student's code fails the suite.
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -n $(JOBS) --dist loadscope --nbval-lax -m "not gpu" tests solutions notebooks
+
+# Static tier: ruff (style, imports, likely bugs) over the Python code, mypy over the packages; both
+# configured in pyproject.toml. Part of `make test`, first, so a slip fails in seconds.
+lint: $(STAMP)
+	$(BIN)/ruff check course_lib autograder benchmarks tests conftest.py
+	$(BIN)/mypy
 
 # JupyterLab in headless Chromium: open a released notebook, run all cells, check for errors, screenshot.
 # (Also part of `make test` when chromium is installed; skipped there otherwise.)
