@@ -97,12 +97,12 @@ notebooks-run: $(STAMP)
 # Multi-GPU host: each distributed chapter under torchrun (checks against one process), then the
 # NCCL benchmark (docs/multi-gpu.md). NPROC: GPUs to use.
 NPROC ?= 2
-DIST_MODULES := collectives data_parallel tensor_parallel pipeline_parallel context_parallel hybrid
+DIST_CHECKS := collectives data_parallel tensor_parallel pipeline_parallel context_parallel hybrid
 multi-gpu: $(STAMP)
 	@mkdir -p $(or $(OUT),artifacts/multi-gpu)
-	@for m in $(DIST_MODULES); do \
-	  echo "== course_lib.$$m"; \
-	  $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m course_lib.$$m || exit 1; done
+	@for m in $(DIST_CHECKS); do \
+	  echo "== benchmarks.checks.$$m"; \
+	  $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m benchmarks.checks.$$m || exit 1; done
 	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m benchmarks.distributed --out $(or $(OUT),artifacts/multi-gpu)
 
 release: $(STAMP)

@@ -149,7 +149,7 @@ class _Link:
             obj = self.handles[target]
         elif isinstance(target, str):
             obj = self.user_ns[target]
-        else:  # a test helper sent by value (course_lib.testing.student_side)
+        else:  # a test helper sent by value (course_lib.exercises.checks.student_side)
             obj = target
         if op == "call":
             result = obj(*args, **kwargs)

@@ -32,7 +32,7 @@ __all__ = [
 SOURCE_DIRECTORY = "solutions"
 RELEASE_DIRECTORY = "notebooks"
 DEFAULT_CELL_TIMEOUT = 120
-# The grading run's secret, from which hidden tests draw their inputs (``course_lib.testing.hidden_seed``):
+# The grading run's secret, from which hidden tests draw their inputs (``course_lib.exercises.checks.hidden_seed``):
 # set for the workers, handed by each to its tester alone.
 SECRET_VARIABLE = "AUTOGRADER_SECRET"
 DEFAULT_SUBMISSION_TIMEOUT = 600
@@ -45,7 +45,7 @@ _NOISY_LIBRARIES = r"(?:torch|triton|jupyter_client|jupyter_core|ipykernel|IPyth
 #   /…/site-packages/torch/nn/modules/module.py:1234: UserWarning: message
 # optionally followed by the indented source line it points at. (A warning that Python
 # attributes to the student's cell, or to any other file, is not matched.)
-# ``course_lib.dist`` relays a rank's stderr with a "[rank N] " prefix on every line.
+# ``course_lib.support.dist`` relays a rank's stderr with a "[rank N] " prefix on every line.
 _RANK = r"(?:\[rank \d+\] )?"
 _LIBRARY_WARNING = (
     _RANK + r"(?:[A-Za-z]:)?[^\n:]*[/\\](?:site|dist)-packages[/\\]" + _NOISY_LIBRARIES + r"[/\\][^\n:]*\.py:\d+: "

@@ -539,7 +539,7 @@ class _Runner:
         self.env = child_environment(course.root)
         # Each kernel gets its share of the cores instead of all of them.
         self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
-        # Drawn once per run: the hidden tests' inputs (course_lib.testing.hidden_seed); only the testers see it.
+        # Drawn once per run: the hidden tests' inputs (course_lib.exercises.checks.hidden_seed); only the testers see it.
         self.env[SECRET_VARIABLE] = str(secrets.randbits(31))
 
     def run(self, job: _Job) -> tuple[_Job, Grade, float]:

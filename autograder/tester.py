@@ -15,8 +15,8 @@ signal it. For each test cell the worker asks for, it:
 
 Test helpers that must run where the student's objects live (an autograd backward through the
 student's module, a check that a builtin is not used) are sent to the kernel by value with
-``course_lib.testing.student_side``; objects the tester must keep observing (a counting source, a
-simulated clock) stay here with ``course_lib.testing.by_reference`` and are called back.
+``course_lib.exercises.checks.student_side``; objects the tester must keep observing (a counting source, a
+simulated clock) stay here with ``course_lib.exercises.checks.by_reference`` and are called back.
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ class Channel:
 
     def reference_launch(self, fn: Any, world_size: int, args: tuple, kwargs: dict) -> list[Any]:
         """``fn`` in ranks forked from the tester, with the course's reference in place of each student name."""
-        from course_lib import dist
+        from course_lib.support import dist
 
         references = self.tester.reference_objects()
         namespace = self.tester.namespace
@@ -318,7 +318,7 @@ def _kept_here(obj: Any) -> bool:
     """Whether ``obj`` stays with the tester when sent: generators, and what a test marked ``by_reference``."""
     import types
 
-    from course_lib import testing
+    from course_lib.exercises import checks as testing
 
     return isinstance(obj, types.GeneratorType) or testing.is_by_reference(obj)
 
@@ -511,7 +511,7 @@ class Tester:
             for name, value in channel.names(self.student_names).items():
                 self.namespace[name] = RemoteObject(channel, name, value._type_name) \
                     if type(value) is RemoteObject else value
-            from course_lib import testing
+            from course_lib.exercises import checks as testing
 
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), testing.sending_to(channel), \
                     testing.secret_seed(self.secret) if self.secret is not None else contextlib.nullcontext():

@@ -29,7 +29,7 @@ Sections:
 
 Before the process group starts, NVLink multicast stays off unless the environment says otherwise:
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1
-(``course_lib.dist.set_nccl_env_defaults``).
+(``course_lib.support.torchrun.set_nccl_env_defaults``).
 
 Rank 0 writes DIR/multi_gpu.json, DIR/multi_gpu.md and, with matplotlib, DIR/multi_gpu_busbw.png.
 """
@@ -56,7 +56,8 @@ from torch import nn
 
 from benchmarks.report import RATIO_CONVENTION, Result, Target
 from course_lib import collectives, data_parallel, models
-from course_lib.dist import max_abs_error, rank_device, report_check, run_as_script, run_entry, set_nccl_env_defaults
+from course_lib.support.dist import rank_device
+from course_lib.support.torchrun import max_abs_error, report_check, run_as_script, run_entry, set_nccl_env_defaults
 
 __all__ = ["main"]
 

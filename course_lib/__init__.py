@@ -15,9 +15,8 @@ __all__ = [
     "context_parallel",
     "data_parallel",
     "data_pipelines",
-    "dist",
     "env",
-    "fallback",
+    "exercises",
     "floating_point",
     "hybrid",
     "kernels",
@@ -29,11 +28,11 @@ __all__ = [
     "pipeline_parallel",
     "planner",
     "profiling",
+    "support",
     "tensor_parallel",
-    "testing",
 ]
 
 # Ask torch to count GPUs through NVML rather than the CUDA runtime: a CUDA-runtime query
-# initialises the driver, after which forked processes (the ranks of course_lib.dist.launch,
+# initialises the driver, after which forked processes (the ranks of course_lib.support.dist.launch,
 # DataLoader workers) cannot use the GPU.
 _os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")

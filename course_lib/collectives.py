@@ -1,7 +1,7 @@
 """Chapter 11 (collectives): the seven collectives from send/recv, ring all-reduce, and their cost.
 
 Functions that move data run *inside a rank* of an initialised default process group (start the
-ranks with ``course_lib.dist.launch``) and use only point-to-point calls (``isend``/``irecv``):
+ranks with ``course_lib.support.dist.launch``) and use only point-to-point calls (``isend``/``irecv``):
 
 - ``broadcast_p2p``, ``scatter_p2p``, ``gather_p2p``, ``reduce_p2p``, ``all_gather_p2p``,
   ``reduce_scatter_p2p``: the collectives built from sends and receives, rooted ones naively;
@@ -535,7 +535,7 @@ def _forbidden(name: str) -> Callable[..., Any]:
 
 
 def _rank_device() -> torch.device:
-    from course_lib import dist as cdist
+    from course_lib.support import dist as cdist
 
     return cdist.rank_device()
 
@@ -570,8 +570,8 @@ def check_collective(
     NCCL, an ``irecv`` and an ``isend`` to the same peer posted one after the other queue on one
     stream, so the "post both, then wait" schedule this chapter teaches would hang there.
     """
-    from course_lib import dist as cdist
-    from course_lib.testing import assert_close, not_done
+    from course_lib.exercises.checks import assert_close, not_done
+    from course_lib.support import dist as cdist
 
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
@@ -690,7 +690,8 @@ _P2P_COLLECTIVES: dict[str, Callable[..., Any]] = {
 
 def _check_everything(small: bool) -> dict[str, Any]:
     """In a rank: every collective against the single-process reference, the ring against ``dist.all_reduce``; the timings."""
-    from course_lib.dist import rank_device, report_check
+    from course_lib.support.dist import rank_device
+    from course_lib.support.torchrun import report_check
 
     rank, world = _me()
     device = rank_device()
@@ -742,7 +743,7 @@ def _all_reduce_timings(small: bool, device: torch.device) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry for ``torchrun --nproc_per_node N -m course_lib.collectives [--small]`` (needs N >= 2)."""
-    from course_lib.dist import entry_main
+    from course_lib.support.torchrun import entry_main
 
     entry_main(_check_everything, "Check the chapter-11 collectives on N ranks and time them.", argv)
 

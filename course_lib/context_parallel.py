@@ -504,7 +504,7 @@ def _grad(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check(name: str, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], rtol: float, atol: float) -> None:
-    from course_lib.dist import assert_matches_reference
+    from course_lib.support.torchrun import assert_matches_reference
 
     assert_matches_reference(list(got), list(want), name=name, rtol=rtol, atol=atol)
     err = max(float((a.double().cpu() - e.double().cpu()).abs().max()) for a, e in zip(got, want))
@@ -530,7 +530,7 @@ def _timed(fn: Any, repeat: int, device: torch.device) -> float:
 
 def check_and_measure(small: bool = False) -> dict[str, Any]:
     """Run and check every algorithm on this world (call inside an initialised process group); rank 0 prints the lines."""
-    from course_lib.dist import rank_device
+    from course_lib.support.dist import rank_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
@@ -588,7 +588,7 @@ def check_and_measure(small: bool = False) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``torchrun --nproc_per_node N -m course_lib.context_parallel [--small]``: check ring attention, print RESULT json."""
-    from course_lib.dist import entry_main
+    from course_lib.support.torchrun import entry_main
 
     entry_main(check_and_measure, "Check ring attention on every rank of a torchrun world.", argv)
 

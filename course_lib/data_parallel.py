@@ -6,10 +6,10 @@ per-shard mean gradients over equal shards gives exactly the big-batch gradient,
 train the same model as one process with an N times larger batch.
 
     from course_lib import data_parallel as dp
-    from course_lib.dist import launch
+    from course_lib.support.dist import launch
 
     dp.averaged_shard_gradients(model, F.mse_loss, x, y, world_size=4)   # single process, by hand
-    # inside a rank (launched with course_lib.dist.launch):
+    # inside a rank (launched with course_lib.support.dist.launch):
     loss.backward(); dp.average_gradients(model); optimizer.step()    # naive DDP
     ddp = dp.BucketedDDP(model, bucket_cap_mb=1.0)                      # overlapped DDP
     loss = loss_fn(ddp(x), y); loss.backward(); ddp.finish_gradient_sync(); optimizer.step()
@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.accumulation_checkpointing import split_micro_batches
+from course_lib.exercises.checks import not_done
 from course_lib.models import MLP
 from course_lib.optimizers import adam_step
-from course_lib.testing import not_done
 
 __all__ = [
     "shard_batch",
@@ -725,7 +725,7 @@ def launch_exercise(
     """
     import torch._dynamo  # noqa: F401 - torch.optim imports it on first use (seconds): once here, not in every rank
 
-    from course_lib.dist import launch
+    from course_lib.support.dist import launch
 
     results = launch(_run_cases, world_size, worker, student, list(cases), kwargs, backend="gloo", timeout=timeout)
     if any(isinstance(r, str) and r == _NOT_DONE for r in results):
@@ -799,7 +799,8 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 
 def _check_everything(small: bool) -> dict[str, Any]:
     """In a rank: naive, bucketed and torch DDP, ZeRO-1 and torch's ZeRO against single-process training; then timings."""
-    from course_lib.dist import rank_device, report_check
+    from course_lib.support.dist import rank_device
+    from course_lib.support.torchrun import report_check
 
     world, device = dist.get_world_size(), rank_device()
     sizes = (6, 10, 4) if small else (512, 1024, 1024, 256)
@@ -861,7 +862,7 @@ def _sync_step(model: nn.Module, net: nn.Module, naive: bool, t: torch.Tensor) -
 
 def main(argv: list[str] | None = None) -> None:
     """Entry for ``torchrun --nproc_per_node N -m course_lib.data_parallel [--small]``."""
-    from course_lib.dist import entry_main
+    from course_lib.support.torchrun import entry_main
 
     entry_main(_check_everything, "Check the chapter-12 data-parallel algorithms on N ranks and time them.", argv)
 

@@ -124,7 +124,7 @@ def banner() -> str:
 quiet_warnings()
 seed_everything()
 # In a notebook: after every cell, note which of the notebook's functions a failing cell used,
-# so that the lecture cells below fall back to the reference (course_lib.fallback).
-from course_lib import fallback as _fallback  # noqa: E402 - after the environment above is set
+# so that the lecture cells below fall back to the reference (course_lib.support.fallback).
+from course_lib.support import fallback as _fallback  # noqa: E402 - after the environment above is set
 
 _fallback.watch_cells()

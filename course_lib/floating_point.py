@@ -32,7 +32,6 @@ __all__ = [
     "ulp",
     "representable_values",
     "tensor_nbytes",
-    "human_bytes",
     "running_sums",
     "sequential_sum",
     "kahan_sum",
@@ -199,16 +198,6 @@ def representable_values(fmt: FloatFormat) -> np.ndarray:
 def tensor_nbytes(t: torch.Tensor) -> int:
     """Bytes that the tensor's elements occupy: number of elements times bytes per element."""
     return t.numel() * t.element_size()
-
-
-def human_bytes(n: float) -> str:
-    """A byte count in binary units, e.g. '1.50 GiB'."""
-    units = ["B", "KiB", "MiB", "GiB", "TiB"]
-    i = 0
-    while abs(n) >= 1024 and i < len(units) - 1:
-        n /= 1024
-        i += 1
-    return f"{n:.0f} B" if i == 0 else f"{n:.2f} {units[i]}"
 
 
 def running_sums(values: Iterable[float], fmt: FloatFormat) -> np.ndarray:

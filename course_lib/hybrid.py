@@ -10,7 +10,7 @@ fastest dimension: its ranks are neighbours, so they share a node (NVLink).
     from course_lib import hybrid
     hybrid.mesh_coords(5, (2, 2, 2))           # (1, 0, 1)
     hybrid.mesh_groups((2, 2), 0)              # [[0, 2], [1, 3]]: the data-parallel groups
-    # inside ranks (course_lib.dist.launch):
+    # inside ranks (course_lib.support.dist.launch):
     groups = hybrid.new_mesh_groups((2, 2), ("dp", "tp"))   # every rank builds every group
     hybrid.train_dp_tp(case, dp=2, tp=2)                     # one replica per dp rank, split over tp
 
@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from course_lib import models
 from course_lib import tensor_parallel as tp_lib
-from course_lib.dist import assert_matches_reference, rank_device
+from course_lib.support.dist import rank_device
+from course_lib.support.torchrun import assert_matches_reference
 
 __all__ = [
     "HybridCase",
@@ -278,7 +279,7 @@ def _script(small: bool) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``torchrun --nproc_per_node N -m course_lib.hybrid [--small]``: check each DP x TP layout, print RESULT json."""
-    from course_lib.dist import entry_main
+    from course_lib.support.torchrun import entry_main
 
     entry_main(_script, "Check each DP x TP layout of N ranks against one process.", argv)
 

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
+
+from course_lib.support.sizes import storage_key, tensor_bytes
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -35,7 +37,6 @@ __all__ = [
     "zero_memory_per_gpu",
     "transformer_activation_bytes",
     "linear_weight_grad",
-    "storage_key",
     "is_parameter_storage",
     "SavedTensor",
     "saved_tensors",
@@ -45,6 +46,7 @@ __all__ = [
     "optimizer_state_bytes",
     "measured_training_memory",
     "cuda_forward_memory",
+    "storage_key",  # from course_lib.support.sizes: the identity this chapter counts storages by
 ]
 
 # Number of fp32 buffers each optimizer keeps per parameter: momentum has a velocity,
@@ -185,18 +187,6 @@ def linear_weight_grad(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
 
 
 # ---- measuring what is kept ----------------------------------------------------------------------
-
-def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """Identifies the memory a tensor lives in: views and the tensor they view share one key."""
-    return (str(t.device), t.untyped_storage().data_ptr())
-
-
-def _distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    seen: dict[tuple[str, int], int] = {}
-    for t in tensors:
-        seen[storage_key(t)] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
 
 def _parameter_keys(model: Callable[..., Any] | None) -> set[tuple[str, int]]:
     if isinstance(model, nn.Module):
@@ -383,15 +373,15 @@ def forward_hook_activation_bytes(model: nn.Module, *inputs: Any) -> int:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the distinct tensors an optimizer keeps in its state (empty until its first step)."""
-    return _distinct_storage_bytes(t for state in optimizer.state.values() for t in _tensors_in(state))
+    return tensor_bytes(list(optimizer.state.values()))
 
 
 def measured_training_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryBreakdown:
     """Bytes that ``model``'s parameters, their ``.grad`` tensors and ``optimizer``'s state occupy right now."""
     params = list(model.parameters())
     return MemoryBreakdown(
-        params=_distinct_storage_bytes(params),
-        grads=_distinct_storage_bytes(p.grad for p in params if p.grad is not None),
+        params=tensor_bytes(params),
+        grads=tensor_bytes([p.grad for p in params]),
         optimizer=0 if optimizer is None else optimizer_state_bytes(optimizer),
     )
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from course_lib.testing import NotDoneYet, assert_close, call
+from course_lib.exercises.checks import NotDoneYet, assert_close, call
 
 __all__ = [
     "StepFn",

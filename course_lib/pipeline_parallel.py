@@ -9,7 +9,7 @@ travel back. How the stages order their forward (F) and backward (B) passes is t
     pp.balanced_partition([1, 1, 4, 1, 1], 2)        # [(0, 3), (3, 5)]: contiguous, max cost minimal
     pp.bubble_fraction(p=4, m=8)                     # 3/11: idle share of GPipe and 1F1B
     pp.one_f_one_b_schedule(p=4, m=8, rank=0)        # [('F', 0), ('F', 1), ('F', 2), ('F', 3), ('B', 0), ...]
-    # inside a rank (course_lib.dist.launch):
+    # inside a rank (course_lib.support.dist.launch):
     stage = pp.Stage(pp.stage_layers(model, bounds, rank), forward_delay=0.01)
     loss = pp.gpipe_step(stage, (x, y), m, F.mse_loss)            # blocking send/recv
     loss = pp.run_schedule(stage, schedule, (x, y), m, F.mse_loss)  # any schedule, batched p2p
@@ -549,7 +549,7 @@ def connect_neighbours() -> None:
     and receives in one batch where the second only receives), which NCCL reports as "Message
     truncated" and then hangs. ``exchange`` calls this once per process group under NCCL first.
     """
-    from course_lib.dist import rank_device
+    from course_lib.support.dist import rank_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = rank_device()
@@ -687,7 +687,7 @@ def run_pipeline(
     Returns a dict: loss (last rank, else None), grads and params (this stage's, after the
     step), spans, memory samples, peak_bytes, bounds.
     """
-    from course_lib.dist import rank_device
+    from course_lib.support.dist import rank_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = rank_device()
@@ -735,7 +735,7 @@ def torch_pipeline_step(
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from course_lib.dist import rank_device
+    from course_lib.support.dist import rank_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = rank_device()
@@ -802,7 +802,8 @@ def _check_against_reference(
     result: dict[str, Any], model: nn.Sequential, batch: Sequence[torch.Tensor], name: str, rtol: float = 1e-4, atol: float = 1e-6
 ) -> float:
     """Compare this rank's loss and gradients with the single-process step; return the max abs error over all ranks."""
-    from course_lib.dist import assert_matches_reference, rank_device
+    from course_lib.support.dist import rank_device
+    from course_lib.support.torchrun import assert_matches_reference
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ref_loss, ref_grads = reference_step(model, batch)
@@ -826,7 +827,7 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def _main_in_rank(small: bool) -> dict[str, Any]:
-    from course_lib.dist import rank_device
+    from course_lib.support.dist import rank_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = rank_device()
@@ -859,7 +860,7 @@ def _main_in_rank(small: bool) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``torchrun --nproc_per_node N -m course_lib.pipeline_parallel [--small]``: check naive, GPipe, 1F1B; print RESULT json."""
-    from course_lib.dist import entry_main
+    from course_lib.support.torchrun import entry_main
 
     entry_main(_main_in_rank, "Check the naive split, GPipe and 1F1B on N pipeline stages and measure their bubbles.", argv)
 

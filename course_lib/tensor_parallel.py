@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import models
-from course_lib.testing import NotDoneYet
+from course_lib.exercises.checks import NotDoneYet
 
 T = TypeVar("T")
 M = TypeVar("M", bound=nn.Module)
@@ -560,7 +560,7 @@ class _Checked:
         self.fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from course_lib.testing import recording
+        from course_lib.exercises.checks import recording
 
         with recording() as records:
             try:
@@ -580,8 +580,8 @@ def launch_checked(fn: Callable[..., Any], world_size: int, *args: Any, timeout:
     own process with the course's reference in place of the student's code: every value a check
     in the ranks compared must equal the reference run's (``testing.reference_run``).
     """
-    from course_lib.dist import launch
-    from course_lib.testing import compare_recordings, reference_run
+    from course_lib.exercises.checks import compare_recordings, reference_run
+    from course_lib.support.dist import launch
 
     warm_up_autograd()
     results = launch(_Checked(fn), world_size, *args, timeout=timeout, **kwargs)
@@ -650,7 +650,7 @@ def check_sharded(name: str, module: M, shard_fn: Callable[[M], nn.Module], x: t
     Both run forward and backward with the same random upstream gradient. The expected shard
     gradients are ``shard_fn`` applied to a copy of ``module`` that holds its gradients.
     """
-    from course_lib.dist import report_check
+    from course_lib.support.torchrun import report_check
 
     reference = copy.deepcopy(module)
     shard = shard_fn(reference)
@@ -671,7 +671,7 @@ def check_sharded(name: str, module: M, shard_fn: Callable[[M], nn.Module], x: t
 
 def _check_everything(small: bool) -> dict[str, Any]:
     """In a rank: column/row-parallel linear, MLP, attention and block against the single-device modules; then bytes and times."""
-    from course_lib.dist import rank_device
+    from course_lib.support.dist import rank_device
 
     rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
     cfg = models.GPTConfig(d_model=32, n_head=8, seq_len=8) if small else models.GPTConfig(d_model=1024, n_head=16, seq_len=256)
@@ -719,7 +719,7 @@ def _block_measurements(block: models.Block, x: torch.Tensor) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry for ``torchrun --nproc_per_node N -m course_lib.tensor_parallel [--small]`` (N must divide the head count)."""
-    from course_lib.dist import entry_main
+    from course_lib.support.torchrun import entry_main
 
     entry_main(_check_everything, "Check the chapter-13 tensor-parallel layers on N ranks.", argv)
 

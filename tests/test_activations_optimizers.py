@@ -11,7 +11,7 @@ from torch import nn
 from course_lib import activations as act
 from course_lib import models
 from course_lib import optimizers as opt
-from course_lib.testing import assert_close
+from course_lib.exercises.checks import assert_close
 
 INF = float("inf")
 

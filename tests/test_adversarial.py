@@ -6,7 +6,7 @@ made here, with two chapters that run in seconds:
 - 90_tiny: one exercise, `double(x)`, plain Python. Sandbox probes write `double` so that it is
   right only when the attack *failed* (reading solutions/ raised, the socket did not connect...):
   full marks prove the sandbox held. Broken files get their status.
-- 91_judge: five exercises whose tests use `course_lib.testing.assert_close`, `torch.allclose`,
+- 91_judge: five exercises whose tests use `course_lib.exercises.checks.assert_close`, `torch.allclose`,
   `numpy.allclose`, a bare `assert` and a course_lib reference (`tensor_nbytes`). Every cheater's
   functions are wrong (or delegate to the reference), and each tries one way of making the tests
   pass anyway: every one must score 0. The tests run in the trusted tester, a process of its own;
@@ -67,13 +67,13 @@ def notebook(cells: list[NotebookNode]) -> NotebookNode:
 TINY_NB = notebook(exercise("double", "return 2 * x", "assert double(2) == 4", "assert double(-1) == -2"))
 JUDGE_NB = notebook([
     cell("import numpy as np\nimport torch\nfrom course_lib import floating_point as fp\n"
-         "from course_lib.testing import assert_close, call"),
+         "from course_lib.exercises.checks import assert_close, call"),
     *exercise("double", "return 2 * x", "assert_close(call(double, torch.tensor([1.0, 2.0])), torch.tensor([2.0, 4.0]))",
               "assert_close(call(double, torch.ones(3)), 2 * torch.ones(3))"),
     *exercise("triple", "return 3 * x", "assert torch.allclose(call(triple, torch.ones(2)), 3 * torch.ones(2))",
               "assert torch.allclose(call(triple, torch.zeros(1) + 2), torch.zeros(1) + 6)"),
     *exercise("half", "return x / 2", "assert np.allclose(call(half, np.ones(2)), 0.5 * np.ones(2))",
-              "from course_lib.testing import hidden_seed\n_x = np.random.default_rng(hidden_seed(5)).random(3)\n"
+              "from course_lib.exercises.checks import hidden_seed\n_x = np.random.default_rng(hidden_seed(5)).random(3)\n"
               "assert np.allclose(call(half, _x), _x / 2)"),
     *exercise("neg", "return -x", "assert call(neg, 3) == -3", "assert call(neg, -1) == 1"),
     *exercise("tensor_nbytes", "return x.numel() * x.element_size()",
@@ -85,9 +85,9 @@ JUDGE_POINTS = len(WRONG)
 
 # 91_judge cheaters: wrong functions plus one attack, in a cell of their own after the setup cell.
 CHEATS = {
-    "patch_assert_close": "import course_lib.testing as T\nT.assert_close = lambda *a, **k: None\n"
+    "patch_assert_close": "import course_lib.exercises.checks as T\nT.assert_close = lambda *a, **k: None\n"
                           "assert_close = lambda *a, **k: None",
-    "patch_code_object": "import course_lib.testing as T\nT.assert_close.__code__ = (lambda *a, **k: None).__code__\n"
+    "patch_code_object": "import course_lib.exercises.checks as T\nT.assert_close.__code__ = (lambda *a, **k: None).__code__\n"
                          "T.call.__code__ = (lambda fn, *a, **k: k.get('_', a[0]) * 0 + 1).__code__",
     "torch_allclose": "torch.allclose = lambda *a, **k: True\ntorch.Tensor.__eq__ = lambda *a: True",
     "numpy_allclose": "np.allclose = lambda *a, **k: True\nimport numpy\nnumpy.allclose = np.allclose",
@@ -99,7 +99,7 @@ CHEATS = {
     "showtraceback": "import sys\nip = get_ipython()\nip.showtraceback = lambda *a, **k: None\n"
                      "ip._showtraceback = lambda *a, **k: None\nsys.excepthook = lambda *a: None",
     "patch_during_test": "def _rig():\n    torch.allclose = lambda *a, **k: True\n    np.allclose = lambda *a, **k: True\n"
-                         "    import course_lib.testing as T\n    T.assert_close = lambda *a, **k: None",
+                         "    import course_lib.exercises.checks as T\n    T.assert_close = lambda *a, **k: None",
     "forged_verdict": "import os, re, json, glob\ndef _forge(info):\n"
                       "    found = re.search(r'([0-9a-f]{32})', info.raw_cell or '')\n    if not found:\n        return\n"
                       "    for fd in os.listdir('/proc/self/fd'):\n        try:\n"

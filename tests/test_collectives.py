@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib import collectives as C
-from course_lib import dist as cdist
-from course_lib.dist import RankError, launch
-from course_lib.testing import NotDoneYet
+from course_lib.exercises.checks import NotDoneYet
+from course_lib.support import torchrun
+from course_lib.support.dist import RankError, launch
 
 FUNCTIONS = {
     "broadcast": C.broadcast_p2p,
@@ -236,7 +236,7 @@ def test_bandwidths_follow_nccl_tests() -> None:
 
 def _torchrun(module: str, *args: str) -> tuple[list[str], dict]:
     """The CHECK names and RESULT of ``torchrun --nproc_per_node 2 -m module --small`` (gloo, CPU)."""
-    run = cdist.run_entry(module, 2, "--small", *args, timeout=120)
+    run = torchrun.run_entry(module, 2, "--small", *args, timeout=120)
     return run.checks, run.result
 
 

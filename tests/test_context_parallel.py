@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 
 from course_lib import context_parallel as cp
-from course_lib import dist as cdist
 from course_lib import tensor_parallel as tp
 from course_lib.attention import attention_lse, naive_attention
-from course_lib.dist import launch
-from course_lib.testing import assert_close
+from course_lib.exercises.checks import assert_close
+from course_lib.support import torchrun
+from course_lib.support.dist import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,7 +145,7 @@ def test_ring_attention_fp32_many_heads() -> None:
 
 
 def test_torchrun_entry() -> None:
-    run = cdist.run_entry("course_lib.context_parallel", 2, "--small", timeout=120)
+    run = torchrun.run_entry("course_lib.context_parallel", 2, "--small", timeout=120)
     assert len(run.checks) == 9, run.stdout
     result = run.result
     assert result["world_size"] == 2

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from course_lib import data_parallel as dp
-from course_lib import dist as cdist
 from course_lib import memory_math as mm
-from course_lib.dist import launch
+from course_lib.exercises.checks import NotDoneYet, assert_close
 from course_lib.models import MLP
-from course_lib.testing import NotDoneYet, assert_close
+from course_lib.support import torchrun
+from course_lib.support.dist import launch
 
 CASES = [
     dp.TrainCase(seed=0),
@@ -242,7 +242,7 @@ def test_timeline_records_overlap() -> None:
 
 def _torchrun(module: str, *args: str) -> tuple[list[str], dict]:
     """The CHECK names and RESULT of ``torchrun --nproc_per_node 2 -m module --small`` (gloo, CPU)."""
-    run = cdist.run_entry(module, 2, "--small", *args, timeout=120)
+    run = torchrun.run_entry(module, 2, "--small", *args, timeout=120)
     return run.checks, run.result
 
 

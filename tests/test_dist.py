@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import dist as cdist
+from course_lib.support import dist as cdist
+from course_lib.support import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +66,7 @@ def test_all_reduce_matches_single_process_sum(no_leftovers) -> None:
     expected = sum(torch.randn(5, 3, generator=torch.Generator().manual_seed(r)) for r in range(3))
     results = cdist.launch(partial_sum, 3)
     for r, got in enumerate(results):
-        cdist.assert_matches_reference(got, expected, name=f"rank {r} all_reduce")
+        torchrun.assert_matches_reference(got, expected, name=f"rank {r} all_reduce")
 
 
 def test_nested_functions_lambdas_and_closures_work(no_leftovers) -> None:
@@ -246,10 +247,10 @@ def test_concurrent_launches_keep_to_their_own_groups() -> None:
 
 
 def test_assert_same_across_ranks_passes_and_names_the_differing_rank(no_leftovers) -> None:
-    cdist.launch(lambda: cdist.assert_same_across_ranks(torch.arange(4.0), "weights"), 3)
+    cdist.launch(lambda: torchrun.assert_same_across_ranks(torch.arange(4.0), "weights"), 3)
 
     def differ() -> None:
-        cdist.assert_same_across_ranks(torch.arange(4.0) + (dist.get_rank() == 2), "weights")
+        torchrun.assert_same_across_ranks(torch.arange(4.0) + (dist.get_rank() == 2), "weights")
 
     with pytest.raises(cdist.RankError, match=r"AssertionError: weights differs between ranks: rank 2 vs rank 0"):
         cdist.launch(differ, 3)
@@ -257,43 +258,43 @@ def test_assert_same_across_ranks_passes_and_names_the_differing_rank(no_leftove
 
 def test_assert_matches_reference_on_tensors_lists_and_modules() -> None:
     a = torch.randn(3, 4)
-    cdist.assert_matches_reference(a, a.clone())
-    cdist.assert_matches_reference([a, a + 1], [a.clone(), a + 1])
+    torchrun.assert_matches_reference(a, a.clone())
+    torchrun.assert_matches_reference([a, a + 1], [a.clone(), a + 1])
     with pytest.raises(AssertionError, match=r"grads\[1\]: 1 of 12 element"):
         b = a.clone()
         b[0, 0] += 1
-        cdist.assert_matches_reference([a, b], [a, a], name="grads")
+        torchrun.assert_matches_reference([a, b], [a, a], name="grads")
     with pytest.raises(AssertionError, match="grads: 1 tensors, expected 2"):
-        cdist.assert_matches_reference([a], [a, a], name="grads")
+        torchrun.assert_matches_reference([a], [a, a], name="grads")
 
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
     par = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
     par.load_state_dict(ref.state_dict())
-    cdist.assert_matches_reference(par, ref, name="model")  # no gradients yet: parameters only
+    torchrun.assert_matches_reference(par, ref, name="model")  # no gradients yet: parameters only
     for m in (ref, par):
         m(torch.ones(2, 4)).sum().backward()
-    cdist.assert_matches_reference(par, ref, name="model")
+    torchrun.assert_matches_reference(par, ref, name="model")
 
     class Wrapped(nn.Module):  # what DDP looks like: the model under .module
         def __init__(self, module: nn.Module) -> None:
             super().__init__()
             self.module = module
 
-    cdist.assert_matches_reference(Wrapped(par), ref, name="model")
+    torchrun.assert_matches_reference(Wrapped(par), ref, name="model")
     with torch.no_grad():
         par[2].bias.grad[1] += 0.5
     with pytest.raises(AssertionError, match=r"model\.2\.bias\.grad: 1 of 2 element"):
-        cdist.assert_matches_reference(par, ref, name="model")
+        torchrun.assert_matches_reference(par, ref, name="model")
     par[2].bias.grad = None
     with pytest.raises(AssertionError, match=r"model\.2\.bias\.grad: missing in the result"):
-        cdist.assert_matches_reference(par, ref, name="model")
+        torchrun.assert_matches_reference(par, ref, name="model")
     with torch.no_grad():
         par[0].weight[0, 0] += 1
     with pytest.raises(AssertionError, match=r"model\.0\.weight: 1 of 12 element"):
-        cdist.assert_matches_reference(par, ref, name="model")
+        torchrun.assert_matches_reference(par, ref, name="model")
     with pytest.raises(AssertionError, match="parameter names differ"):
-        cdist.assert_matches_reference(nn.Linear(4, 3), ref, name="model")
+        torchrun.assert_matches_reference(nn.Linear(4, 3), ref, name="model")
 
 
 def test_init_from_torchrun_and_run_as_script(tmp_path) -> None:
@@ -301,7 +302,7 @@ def test_init_from_torchrun_and_run_as_script(tmp_path) -> None:
     script.write_text(textwrap.dedent("""
         import torch
         import torch.distributed as dist
-        from course_lib.dist import run_as_script, init_from_torchrun
+        from course_lib.support.torchrun import init_from_torchrun, run_as_script
 
         def main(scale):
             t = torch.tensor([float(dist.get_rank() + 1)]) * scale
@@ -325,7 +326,7 @@ def test_init_from_torchrun_and_run_as_script(tmp_path) -> None:
 def test_init_from_torchrun_outside_torchrun_says_how_to_start(monkeypatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(RuntimeError, match="torchrun --nproc_per_node N"):
-        cdist.init_from_torchrun()
+        torchrun.init_from_torchrun()
 
 
 @pytest.mark.slow
@@ -335,7 +336,7 @@ def test_launch_from_a_notebook_cell_shows_rank_output() -> None:
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(textwrap.dedent("""
         import torch, torch.distributed as dist
-        from course_lib.dist import launch
+        from course_lib.support.dist import launch
 
         def greet(x):
             t = torch.tensor([x * (dist.get_rank() + 1)])

@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from course_lib import fallback
-from course_lib.fallback import use_or_fallback
+from course_lib.support import fallback
+from course_lib.support.fallback import use_or_fallback
 
 
 def _todo(x: int) -> int:
@@ -134,7 +134,7 @@ def _fallback_in_rank() -> None:
 
 
 def test_notes_come_from_the_first_rank_only(capfd: pytest.CaptureFixture[str]) -> None:
-    from course_lib.dist import launch
+    from course_lib.support.dist import launch
 
     launch(_fallback_in_rank, 2)
     out = capfd.readouterr().out
@@ -151,7 +151,7 @@ def test_in_ipython_a_failed_test_cell_makes_the_lecture_cell_use_the_reference(
         fallback.watch_cells()
         assert shell.events.callbacks["post_run_cell"].count(fallback._after_cell) == 1, "registered once"
         cells = [
-            "from course_lib.fallback import use_or_fallback\ndef double(x):\n    return x + x + 1",
+            "from course_lib.support.fallback import use_or_fallback\ndef double(x):\n    return x + x + 1",
             "assert double(2) == 4, f'double(2) returned {double(2)}'",
             "fn = use_or_fallback(double, lambda x: 2 * x)\nresult = fn(21)",
         ]

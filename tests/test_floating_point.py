@@ -254,15 +254,6 @@ def test_tensor_nbytes_meta_and_scalar() -> None:
     assert fp.tensor_nbytes(torch.tensor(1.0)) == 4
 
 
-def test_human_bytes() -> None:
-    assert fp.human_bytes(512) == "512 B"
-    assert fp.human_bytes(1536) == "1.50 KiB"
-    assert fp.human_bytes(3 * 2**30) == "3.00 GiB"
-    assert fp.human_bytes(2**50) == "1024.00 TiB"
-
-
-# ---- sums ----------------------------------------------------------------------------------
-
 def test_running_sums_match_numpy_accumulate() -> None:
     rng = np.random.default_rng(6)
     x = rng.uniform(0.01, 1.0, 5000)

@@ -4,9 +4,10 @@ import os
 
 import pytest
 
-from course_lib import dist as cdist
 from course_lib import hybrid
-from course_lib.dist import assert_matches_reference, launch
+from course_lib.support import torchrun
+from course_lib.support.dist import launch
+from course_lib.support.torchrun import assert_matches_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,7 +69,7 @@ def test_reference_shard_tp1_is_the_model():
 
 
 def test_torchrun_entry_small():
-    run = cdist.run_entry("course_lib.hybrid", 2, "--small", timeout=120)
+    run = torchrun.run_entry("course_lib.hybrid", 2, "--small", timeout=120)
     assert len(run.checks) == 4, run.stdout
     result = run.result
     assert result["world_size"] == 2 and set(result["layouts"]) == {"dp1xtp2", "dp2xtp1"}

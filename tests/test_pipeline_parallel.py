@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining  # noqa: F401  (imported before forking, so ranks do not each import it)
 
-from course_lib import dist as cdist
 from course_lib import pipeline_parallel as pp
-from course_lib.dist import launch
+from course_lib.support import torchrun
+from course_lib.support.dist import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,7 +139,7 @@ def test_torch_pipelining_agrees():
 
 
 def test_torchrun_entry():
-    run = cdist.run_entry("course_lib.pipeline_parallel", 2, "--small", timeout=120)
+    run = torchrun.run_entry("course_lib.pipeline_parallel", 2, "--small", timeout=120)
     assert run.checks == ["naive", "gpipe", "1f1b"], run.stdout
     result = run.result
     assert result["world_size"] == 2

@@ -9,11 +9,11 @@ import torch.distributed.tensor.parallel  # noqa: F401  (imported before forking
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import dist as cdist
 from course_lib import models
 from course_lib import tensor_parallel as tp
-from course_lib.dist import RankError, launch
-from course_lib.testing import NotDoneYet, assert_close
+from course_lib.exercises.checks import NotDoneYet, assert_close
+from course_lib.support import torchrun
+from course_lib.support.dist import RankError, launch
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -252,7 +252,7 @@ def test_launch_checked_reports_plainly() -> None:
 
 def _torchrun(module: str, *args: str) -> tuple[list[str], dict]:
     """The CHECK names and RESULT of ``torchrun --nproc_per_node 2 -m module --small`` (gloo, CPU)."""
-    run = cdist.run_entry(module, 2, "--small", *args, timeout=120)
+    run = torchrun.run_entry(module, 2, "--small", *args, timeout=120)
     return run.checks, run.result
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from course_lib import env
+from course_lib.exercises.checks import assert_close
 from course_lib.kernels import tiling_coalescing as tc
 from course_lib.profiling import matmul_flops_bytes
-from course_lib.testing import assert_close
 
 DEVICE = env.DEVICE
 

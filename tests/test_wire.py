@@ -24,7 +24,7 @@ from autograder import wire
 from autograder.agent import REFERENCE_MESSAGE, _Tripwires
 from course_lib import floating_point as fp
 from course_lib import memory_math as mm
-from course_lib import testing
+from course_lib.exercises import checks as testing
 
 
 def roundtrip(value: object) -> object:

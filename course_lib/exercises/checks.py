@@ -1,4 +1,4 @@
-"""Helpers for exercise tests: comparisons that explain themselves (the reference fallback is ``course_lib.fallback``).
+"""Helpers for exercise tests: comparisons that explain themselves (the reference fallback is ``course_lib.support.fallback``).
 
 A failing check raises ``AssertionError`` with a message meant for the student:
 what was expected, what came back, and where the two differ.
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from course_lib.fallback import describe
+from course_lib.support.fallback import describe
 
 __all__ = [
     "TOLERANCES",

@@ -1,10 +1,10 @@
-"""Run distributed code from a notebook, a test or ``torchrun``, and compare it with a reference.
+"""Run distributed code from a notebook or a test: ``launch(fn, world_size)`` starts the ranks.
 
-``launch(fn, world_size)`` starts ``world_size`` processes, initialises the default
-process group in each (gloo on CPU, NCCL when there is a GPU per rank), calls ``fn``
-in every rank and returns the results ordered by rank:
+``launch`` starts ``world_size`` processes, initialises the default process group in each
+(gloo on CPU, NCCL when there is a GPU per rank), calls ``fn`` in every rank and returns the
+results ordered by rank:
 
-    from course_lib import dist as cdist
+    from course_lib.support import dist as cdist
     import torch.distributed as dist
 
     def total(x):
@@ -14,61 +14,36 @@ in every rank and returns the results ordered by rank:
 
     cdist.launch(total, 4, 1.0)   # [tensor([10.]), tensor([10.]), tensor([10.]), tensor([10.])]
 
-The same function runs on a multi-GPU host as a script:
-``if __name__ == "__main__": run_as_script(main)``, started with
-``torchrun --nproc_per_node 4 script.py``.
+The same rank function runs on a multi-GPU host under ``torchrun``: see ``course_lib.support.torchrun``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import io
-import json
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from course_lib.testing import assert_close
+from course_lib.exercises.checks import student_side
 
 T = TypeVar("T")
 
-__all__ = [
-    "RankError",
-    "assert_matches_reference",
-    "assert_same_across_ranks",
-    "entry_main",
-    "max_abs_error",
-    "backend_for",
-    "init_from_torchrun",
-    "launch",
-    "pick_for",
-    "rank_device",
-    "report_check",
-    "report_result",
-    "run_as_script",
-    "run_entry",
-    "set_nccl_env_defaults",
-    "EntryRun",
-]
+__all__ = ["RankError", "backend_for", "launch", "pick_for", "rank_device"]
 
 # After SIGTERM, how long a rank may take to exit before it is killed.
 _TERMINATE_GRACE_S = 2.0
@@ -96,7 +71,7 @@ def backend_for(world_size: int) -> str:
         if n_gpus >= world_size:
             return "nccl"
         if not _said_gloo:
-            print(f"course_lib.dist: {n_gpus} GPU(s) here: launches of more ranks than that use gloo on the CPU")
+            print(f"launch: {n_gpus} GPU(s) here: launches of more ranks than that use gloo on the CPU")
             _said_gloo = True
     return "gloo"
 
@@ -256,7 +231,7 @@ def _context_and_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> t
             "the function in a module (a .py file)."
         ) from None
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["course_lib.env", "course_lib.dist"])
+    ctx.set_forkserver_preload(["course_lib.env", "course_lib.support.dist"])
     return ctx, cloudpickle.dumps((fn, args, kwargs))
 
 
@@ -282,10 +257,8 @@ def launch(
     raises, after stopping the others, and ``TimeoutError`` naming the ranks still running
     when the run takes longer than ``timeout`` seconds. Ranks never outlive the call.
     When the grader's tester calls it, the ranks start in the student's kernel, where the
-    student's functions are, and only their results come back (``testing.student_side``).
+    student's functions are, and only their results come back (``exercises.checks.student_side``).
     """
-    from course_lib.testing import student_side
-
     return student_side(_launch_here)(fn, world_size, *args, backend=backend, timeout=timeout, **kwargs)
 
 
@@ -329,7 +302,7 @@ def _run_ranks(ctx: Any, payload: Any, world_size: int, backend: str, timeout: f
             proc = ctx.Process(
                 target=_worker,
                 args=(rank, world_size, backend, port, listener if rank == 0 else None, timeout, payload, writer),
-                name=f"course_lib.dist rank {rank}",
+                name=f"course_lib.support.dist rank {rank}",
             )
             readers.append(reader)
             try:
@@ -438,212 +411,3 @@ def _stop(procs: list[Any]) -> None:
             proc.kill()
             proc.join()
         proc.close()
-
-
-def assert_same_across_ranks(tensor: torch.Tensor, name: str = "tensor", *, rtol: float = 0.0, atol: float = 0.0) -> None:
-    """Check that every rank holds the same ``tensor`` (exactly, by default); name the first rank that differs."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, tensor.detach().cpu())
-    for rank in range(1, len(gathered)):
-        try:
-            assert_close(gathered[rank], gathered[0], rtol=rtol, atol=atol, name=name)
-        except AssertionError as err:
-            raise AssertionError(f"{name} differs between ranks: rank {rank} vs rank 0: {err}") from None
-
-
-def _param_name(name: str) -> str:
-    """A parameter's name without the prefixes that DDP (``module.``) and torch.compile (``_orig_mod.``) add."""
-    for prefix in ("module.", "_orig_mod."):
-        while name.startswith(prefix):
-            name = name[len(prefix):]
-    return name
-
-
-def assert_matches_reference(
-    actual: torch.Tensor | Sequence[torch.Tensor] | nn.Module,
-    expected: torch.Tensor | Sequence[torch.Tensor] | nn.Module,
-    name: str = "result",
-    rtol: float | None = None,
-    atol: float | None = None,
-) -> None:
-    """Check a parallel result against a single-process reference.
-
-    Either tensors, lists of tensors, or two modules (parameters and gradients by name).
-    """
-    if isinstance(expected, nn.Module):
-        if not isinstance(actual, nn.Module):
-            raise AssertionError(f"{name}: expected an nn.Module, got {type(actual).__name__}")
-        got = {_param_name(n): p for n, p in actual.named_parameters()}
-        want = {_param_name(n): p for n, p in expected.named_parameters()}
-        if got.keys() != want.keys():
-            raise AssertionError(
-                f"{name}: parameter names differ; missing {sorted(want.keys() - got.keys())}, "
-                f"unexpected {sorted(got.keys() - want.keys())}"
-            )
-        for pname, ref in want.items():
-            assert_close(got[pname].detach().cpu(), ref.detach().cpu(), rtol=rtol, atol=atol, name=f"{name}.{pname}")
-        for pname, ref in want.items():
-            g, r = got[pname].grad, ref.grad
-            if g is None and r is None:
-                continue
-            if g is None or r is None:
-                which = "the result" if g is None else "the reference"
-                raise AssertionError(f"{name}.{pname}.grad: missing in {which} (present in the other)")
-            assert_close(g.cpu(), r.cpu(), rtol=rtol, atol=atol, name=f"{name}.{pname}.grad")
-        return
-    if isinstance(expected, (list, tuple)):
-        if not isinstance(actual, (list, tuple)):
-            raise AssertionError(f"{name}: expected a list of {len(expected)} tensors, got {type(actual).__name__}")
-        if len(actual) != len(expected):
-            raise AssertionError(f"{name}: {len(actual)} tensors, expected {len(expected)}")
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            assert_close(_to_cpu(a), _to_cpu(e), rtol=rtol, atol=atol, name=f"{name}[{i}]")
-        return
-    assert_close(_to_cpu(actual), _to_cpu(expected), rtol=rtol, atol=atol, name=name)
-
-
-def init_from_torchrun(timeout: float = 300.0) -> tuple[int, int]:
-    """Initialise the default group from torchrun's environment, set this rank's GPU; return (rank, world_size).
-
-    A collective or send/recv that waits longer than ``timeout`` seconds fails (NCCL's watchdog
-    names the operation) instead of hanging the job.
-    """
-    missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"init_from_torchrun: {', '.join(missing)} not set; start this script with "
-            "`torchrun --nproc_per_node N script.py`, or call launch(fn, N) from Python"
-        )
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    # Only this host's ranks need a GPU each, so judge by the local count (all of them on one host).
-    backend = backend_for(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout))
-    return rank, world_size
-
-
-def run_as_script(fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> Any:
-    """Under torchrun: initialise the group (``timeout`` as in ``init_from_torchrun``), run ``fn(*args)``, destroy the group."""
-    init_from_torchrun(timeout)
-    try:
-        return fn(*args)
-    finally:
-        dist.destroy_process_group()
-
-
-# Variables torchrun sets for its workers: a torchrun started from inside one must not inherit them.
-_TORCHRUN_VARS = {
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-}
-_ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class EntryRun:
-    """What a chapter's torchrun entry printed: the names of its ``CHECK <name> ok ...`` lines and its ``RESULT``."""
-
-    checks: list[str]
-    result: dict[str, Any]
-    stdout: str
-
-
-def run_entry(module: str, nproc: int, *args: str, timeout: float = 600.0) -> EntryRun:
-    """Run ``torchrun --standalone --nproc_per_node nproc -m module *args`` from the project root; parse what it printed.
-
-    ``--standalone`` gives each run its own free port, so runs in parallel do not meet. Raises
-    RuntimeError, with the end of the output, when the run fails, times out or prints no RESULT.
-    """
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", module, *args]
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    shown = f"torchrun --standalone --nproc_per_node {nproc} -m {module} {' '.join(args)}".rstrip()
-    try:
-        run = subprocess.run(command, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{shown}: still running after {timeout:g} s") from None
-    lines = run.stdout.splitlines()
-    results = [line.removeprefix("RESULT ") for line in lines if line.startswith("RESULT ")]
-    if run.returncode != 0 or not results:
-        tail = "\n".join((run.stdout + run.stderr).splitlines()[-30:])
-        raise RuntimeError(f"{shown}: exit status {run.returncode}, {len(results)} RESULT line(s); last output:\n{tail}")
-    checks = [line.removeprefix("CHECK ").split(" ok max_abs_err=")[0] for line in lines
-              if line.startswith("CHECK ") and " ok max_abs_err=" in line]
-    return EntryRun(checks, json.loads(results[-1]), run.stdout)
-
-
-# ---- the torchrun entries of the distributed chapters -----------------------------------------
-
-# NVLink multicast (NVLS) and symmetric memory stay off on the course's GPU hosts.
-NCCL_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def set_nccl_env_defaults() -> dict[str, str]:
-    """Set ``NCCL_ENV_DEFAULTS`` where the environment does not say otherwise (call before init); return the values in force."""
-    for key, value in NCCL_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    return {key: os.environ[key] for key in NCCL_ENV_DEFAULTS}
-
-
-def _tensors_of(x: Any) -> list[torch.Tensor]:
-    """The tensors in ``x``: itself, those in a list, or a module's parameters and their gradients."""
-    if isinstance(x, nn.Module):
-        return [t for p in x.parameters() for t in (p, p.grad) if t is not None]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors_of(v)]
-    return [x]
-
-
-def max_abs_error(actual: Any, expected: Any) -> float:
-    """Largest ``|actual - expected|`` over tensors, lists of tensors, or two modules (parameters and gradients)."""
-    worst = 0.0
-    for a, e in zip(_tensors_of(actual), _tensors_of(expected)):
-        if a.numel():
-            diff = a.detach().cpu().to(torch.float64) - e.detach().cpu().to(torch.float64)
-            worst = max(worst, float(diff.abs().max()))
-    return worst
-
-
-def report_check(name: str, actual: Any, expected: Any, *, rtol: float | None = None, atol: float | None = None) -> float:
-    """Assert that a parallel result equals its single-process reference on this rank.
-
-    Rank 0 prints ``CHECK <name> ok max_abs_err=<x>``.
-
-    Every rank must call it for every check (the error is maximised over the ranks with an
-    all-reduce). Returns that maximum.
-    """
-    assert_matches_reference(actual, expected, name=name, rtol=rtol, atol=atol)
-    worst = torch.tensor([max_abs_error(actual, expected)], dtype=torch.float64, device=rank_device())
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    if dist.get_rank() == 0:
-        print(f"CHECK {name} ok max_abs_err={worst.item():.3g}", flush=True)
-    return worst.item()
-
-
-def report_result(result: dict[str, Any]) -> None:
-    """Rank 0 prints ``RESULT <json>`` on one line: what a torchrun entry measured."""
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-
-
-def _run_and_report(fn: Callable[[bool], dict[str, Any]], small: bool) -> None:
-    report_result(fn(small))
-
-
-def entry_main(fn: Callable[[bool], dict[str, Any]], description: str, argv: Sequence[str] | None = None) -> None:
-    """The ``main`` of a chapter's torchrun entry.
-
-    It takes ``--small``, turns NVLink multicast off, runs ``fn(small)`` in every rank and prints ``RESULT`` from rank 0.
-
-    ``fn`` checks the chapter's algorithms (``report_check``) and returns what it measured.
-    """
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--small", action="store_true", help="tiny sizes, for gloo ranks on a CPU")
-    small = parser.parse_args(argv).small
-    set_nccl_env_defaults()
-    run_as_script(_run_and_report, fn, small)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib import testing
+from course_lib.exercises import checks as testing
 
 
 def test_assert_close_passes_within_dtype_tolerance() -> None:

@@ -1,0 +1,183 @@
+"""A recorder of the ``torch.distributed`` calls made inside a block: count them, size them, time them, forbid them.
+
+    with record_collectives() as log:
+        model(x).sum().backward()
+    log.count("all_reduce"), log.bytes("all_reduce")       # calls and payload bytes of this rank
+
+It replaces the functions of the ``torch.distributed`` module for the duration of the block, so it
+sees code that calls ``dist.all_reduce(...)``, ``dist.isend(...)``, ``dist.batch_isend_irecv(...)``
+and the rest through that module (as the course's code does); DTensor and torch's DDP go through
+other paths. The payload of a call is the bytes of this rank's tensor: the input of a reduction or
+a broadcast, this rank's contribution to an all-gather, the tensor sent or received by a
+point-to-point call. With ``timeline`` each call is also recorded as a span, from the call to its
+completion (the return of a synchronous call; for an asynchronous one, when its future completes).
+``forbid`` names operations that raise AssertionError instead of running (an exercise that must
+build a collective from send/recv).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from course_lib.support.timeline import Timeline
+
+__all__ = ["COLLECTIVES", "POINT_TO_POINT", "Call", "CommLog", "record_collectives"]
+
+# Collectives, with the position of the argument whose bytes are this rank's payload.
+COLLECTIVES: dict[str, int] = {
+    "all_reduce": 0, "broadcast": 0, "reduce": 0, "all_gather": 1, "all_gather_into_tensor": 1,
+    "reduce_scatter": 1, "reduce_scatter_tensor": 1, "gather": 0, "scatter": 0, "all_to_all": 1,
+    "all_to_all_single": 1, "broadcast_object_list": 0, "all_gather_object": 1, "gather_object": 0,
+    "scatter_object_list": 1,
+}
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+@dataclass
+class Call:
+    """One recorded call: the operation, this rank's payload bytes, the peer of a point-to-point call, its span."""
+
+    op: str
+    bytes: int
+    peer: int | None = None
+    start: float = 0.0
+    end: float | None = None  # None until it completes
+
+
+@dataclass
+class CommLog:
+    """What ``record_collectives`` saw, in call order (``batch_isend_irecv`` as its isend and irecv operations)."""
+
+    calls: list[Call] = field(default_factory=list)
+
+    def of(self, op: str | None = None) -> list[Call]:
+        """The calls of ``op`` (all when None)."""
+        return [c for c in self.calls if op is None or c.op == op]
+
+    def count(self, op: str | None = None) -> int:
+        """Number of calls (of ``op`` only, if given)."""
+        return len(self.of(op))
+
+    def bytes(self, op: str | None = None) -> int:
+        """Total payload bytes (of ``op`` only, if given)."""
+        return sum(c.bytes for c in self.of(op))
+
+    def clear(self) -> None:
+        """Forget what was recorded so far."""
+        self.calls.clear()
+
+
+def _payload(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_payload(v) for v in x)
+    return 0
+
+
+def _tensor_arg(args: tuple, kwargs: dict[str, Any], at: int) -> Any:
+    if len(args) > at:
+        return args[at]
+    return next((v for v in kwargs.values() if isinstance(v, (torch.Tensor, list))), None)
+
+
+class _Recorder:
+    """The wrappers of one ``record_collectives`` block."""
+
+    def __init__(self, log: CommLog, timeline: Timeline | None, lane: str, forbid: Collection[str], reason: str) -> None:
+        self.log, self.timeline, self.lane, self.forbid, self.reason = log, timeline, lane, set(forbid), reason
+
+    def _start(self, op: str, n_bytes: int, peer: int | None = None) -> Call:
+        if op in self.forbid:
+            raise AssertionError(f"dist.{op} is not allowed here" + (f": {self.reason}" if self.reason else ""))
+        call = Call(op, n_bytes, peer, Timeline.now())
+        self.log.calls.append(call)
+        return call
+
+    def _finish(self, call: Call, work: Any) -> None:
+        def done(*_: Any) -> None:
+            call.end = Timeline.now()
+            if self.timeline is not None:
+                self.timeline.add(self.lane, call.op, str(len(self.timeline.of(self.lane, call.op))), call.start, call.end)
+
+        future = None
+        if work is not None and hasattr(work, "get_future"):
+            with contextlib.suppress(RuntimeError):  # a backend's work without a future: end unknown
+                future = work.get_future()
+        if future is not None:
+            future.then(done)
+        elif work is None:
+            done()
+
+    def collective(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            call = self._start(name, _payload(_tensor_arg(args, kwargs, COLLECTIVES[name])))
+            result = fn(*args, **kwargs)
+            self._finish(call, result if kwargs.get("async_op", False) else None)
+            return result
+        return recorded
+
+    def point_to_point(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if name == "batch_isend_irecv":
+                ops = list(args[0] if args else kwargs["p2p_op_list"])
+                calls = [self._start(op.op.__name__, _payload(op.tensor), op.peer) for op in ops]
+                works = fn(ops)
+                for call, work in zip(calls, works or [None] * len(calls)):
+                    self._finish(call, work)
+                return works
+            tensor = args[0] if args else kwargs["tensor"]
+            peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
+            call = self._start(name, _payload(tensor), peer)
+            result = fn(*args, **kwargs)
+            self._finish(call, result if name in ("isend", "irecv") else None)
+            return result
+        return recorded
+
+
+class _P2POp(dist.P2POp):
+    """``dist.P2POp`` that accepts the recorder's ``isend``/``irecv`` (it checks the functions' identity)."""
+
+    def __new__(cls, op: Callable[..., Any], *args: Any, **kwargs: Any) -> _P2POp:
+        return super().__new__(cls, inspect.unwrap(op), *args, **kwargs)
+
+    def __init__(self, op: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__(inspect.unwrap(op), *args, **kwargs)
+
+
+@contextlib.contextmanager
+def record_collectives(*, timeline: Timeline | None = None, lane: str = "communication",
+                       forbid: Collection[str] = (), reason: str = "") -> Iterator[CommLog]:
+    """Inside the block, record every ``torch.distributed`` collective and point-to-point call in the yielded log.
+
+    ``timeline`` also gets a span per completed call on ``lane`` (kind: the operation's name).
+    ``forbid``: names of operations (keys of ``COLLECTIVES`` or ``POINT_TO_POINT``) that raise an
+    AssertionError saying ``reason`` instead of running. Blocks may nest; each restores what it replaced.
+    """
+    unknown = set(forbid) - set(COLLECTIVES) - set(POINT_TO_POINT)
+    if unknown:
+        raise ValueError(f"cannot forbid {sorted(unknown)}: not torch.distributed operations this recorder knows")
+    log = CommLog()
+    recorder = _Recorder(log, timeline, lane, forbid, reason)
+    originals = {name: getattr(dist, name) for name in (*COLLECTIVES, *POINT_TO_POINT) if hasattr(dist, name)}
+    original_op = dist.P2POp
+    try:
+        for name, fn in originals.items():
+            wrap = recorder.point_to_point if name in POINT_TO_POINT else recorder.collective
+            setattr(dist, name, wrap(name, fn))
+        dist.P2POp = _P2POp  # type: ignore[misc]
+        yield log
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        dist.P2POp = original_op  # type: ignore[misc]

@@ -1,0 +1,252 @@
+"""Run a chapter's checks under ``torchrun`` on a multi-GPU host, and report them in one format.
+
+A torchrun entry is a function ``check(small) -> dict`` that runs in every rank: it compares each
+parallel algorithm with its single-process reference through ``report_check`` (rank 0 prints
+``CHECK <name> ok max_abs_err=<x>``, the error maximised over the ranks) and returns what it
+measured, which ``entry_main`` prints as ``RESULT <json>``. ``run_entry`` starts such an entry with
+torchrun from a test or a benchmark and parses those lines. The entries live in ``benchmarks/checks``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.exercises.checks import assert_close
+from course_lib.support.dist import _to_cpu, backend_for, rank_device
+
+__all__ = [
+    "NCCL_ENV_DEFAULTS",
+    "EntryRun",
+    "assert_matches_reference",
+    "assert_same_across_ranks",
+    "entry_main",
+    "init_from_torchrun",
+    "max_abs_error",
+    "report_check",
+    "report_result",
+    "run_as_script",
+    "run_entry",
+    "set_nccl_env_defaults",
+]
+
+
+def assert_same_across_ranks(tensor: torch.Tensor, name: str = "tensor", *, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Check that every rank holds the same ``tensor`` (exactly, by default); name the first rank that differs."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, tensor.detach().cpu())
+    for rank in range(1, len(gathered)):
+        try:
+            assert_close(gathered[rank], gathered[0], rtol=rtol, atol=atol, name=name)
+        except AssertionError as err:
+            raise AssertionError(f"{name} differs between ranks: rank {rank} vs rank 0: {err}") from None
+
+
+def _param_name(name: str) -> str:
+    """A parameter's name without the prefixes that DDP (``module.``) and torch.compile (``_orig_mod.``) add."""
+    for prefix in ("module.", "_orig_mod."):
+        while name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def assert_matches_reference(
+    actual: torch.Tensor | Sequence[torch.Tensor] | nn.Module,
+    expected: torch.Tensor | Sequence[torch.Tensor] | nn.Module,
+    name: str = "result",
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> None:
+    """Check a parallel result against a single-process reference.
+
+    Either tensors, lists of tensors, or two modules (parameters and gradients by name).
+    """
+    if isinstance(expected, nn.Module):
+        if not isinstance(actual, nn.Module):
+            raise AssertionError(f"{name}: expected an nn.Module, got {type(actual).__name__}")
+        got = {_param_name(n): p for n, p in actual.named_parameters()}
+        want = {_param_name(n): p for n, p in expected.named_parameters()}
+        if got.keys() != want.keys():
+            raise AssertionError(
+                f"{name}: parameter names differ; missing {sorted(want.keys() - got.keys())}, "
+                f"unexpected {sorted(got.keys() - want.keys())}"
+            )
+        for pname, ref in want.items():
+            assert_close(got[pname].detach().cpu(), ref.detach().cpu(), rtol=rtol, atol=atol, name=f"{name}.{pname}")
+        for pname, ref in want.items():
+            g, r = got[pname].grad, ref.grad
+            if g is None and r is None:
+                continue
+            if g is None or r is None:
+                which = "the result" if g is None else "the reference"
+                raise AssertionError(f"{name}.{pname}.grad: missing in {which} (present in the other)")
+            assert_close(g.cpu(), r.cpu(), rtol=rtol, atol=atol, name=f"{name}.{pname}.grad")
+        return
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)):
+            raise AssertionError(f"{name}: expected a list of {len(expected)} tensors, got {type(actual).__name__}")
+        if len(actual) != len(expected):
+            raise AssertionError(f"{name}: {len(actual)} tensors, expected {len(expected)}")
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_close(_to_cpu(a), _to_cpu(e), rtol=rtol, atol=atol, name=f"{name}[{i}]")
+        return
+    assert_close(_to_cpu(actual), _to_cpu(expected), rtol=rtol, atol=atol, name=name)
+
+
+def init_from_torchrun(timeout: float = 300.0) -> tuple[int, int]:
+    """Initialise the default group from torchrun's environment, set this rank's GPU; return (rank, world_size).
+
+    A collective or send/recv that waits longer than ``timeout`` seconds fails (NCCL's watchdog
+    names the operation) instead of hanging the job.
+    """
+    missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_from_torchrun: {', '.join(missing)} not set; start this script with "
+            "`torchrun --nproc_per_node N script.py`, or call launch(fn, N) from Python"
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    # Only this host's ranks need a GPU each, so judge by the local count (all of them on one host).
+    backend = backend_for(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout))
+    return rank, world_size
+
+
+def run_as_script(fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> Any:
+    """Under torchrun: initialise the group (``timeout`` as in ``init_from_torchrun``), run ``fn(*args)``, destroy the group."""
+    init_from_torchrun(timeout)
+    try:
+        return fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+# Variables torchrun sets for its workers: a torchrun started from inside one must not inherit them.
+_TORCHRUN_VARS = {
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+}
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class EntryRun:
+    """What a chapter's torchrun entry printed: the names of its ``CHECK <name> ok ...`` lines and its ``RESULT``."""
+
+    checks: list[str]
+    result: dict[str, Any]
+    stdout: str
+
+
+def run_entry(module: str, nproc: int, *args: str, timeout: float = 600.0) -> EntryRun:
+    """Run ``torchrun --standalone --nproc_per_node nproc -m module *args`` from the project root; parse what it printed.
+
+    ``--standalone`` gives each run its own free port, so runs in parallel do not meet. Raises
+    RuntimeError, with the end of the output, when the run fails, times out or prints no RESULT.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "-m", module, *args]
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    shown = f"torchrun --standalone --nproc_per_node {nproc} -m {module} {' '.join(args)}".rstrip()
+    try:
+        run = subprocess.run(command, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{shown}: still running after {timeout:g} s") from None
+    lines = run.stdout.splitlines()
+    results = [line.removeprefix("RESULT ") for line in lines if line.startswith("RESULT ")]
+    if run.returncode != 0 or not results:
+        tail = "\n".join((run.stdout + run.stderr).splitlines()[-30:])
+        raise RuntimeError(f"{shown}: exit status {run.returncode}, {len(results)} RESULT line(s); last output:\n{tail}")
+    checks = [line.removeprefix("CHECK ").split(" ok max_abs_err=")[0] for line in lines
+              if line.startswith("CHECK ") and " ok max_abs_err=" in line]
+    return EntryRun(checks, json.loads(results[-1]), run.stdout)
+
+
+# ---- the torchrun entries of the distributed chapters -----------------------------------------
+
+# NVLink multicast (NVLS) and symmetric memory stay off on the course's GPU hosts.
+NCCL_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def set_nccl_env_defaults() -> dict[str, str]:
+    """Set ``NCCL_ENV_DEFAULTS`` where the environment does not say otherwise (call before init); return the values in force."""
+    for key, value in NCCL_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in NCCL_ENV_DEFAULTS}
+
+
+def _tensors_of(x: Any) -> list[torch.Tensor]:
+    """The tensors in ``x``: itself, those in a list, or a module's parameters and their gradients."""
+    if isinstance(x, nn.Module):
+        return [t for p in x.parameters() for t in (p, p.grad) if t is not None]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors_of(v)]
+    return [x]
+
+
+def max_abs_error(actual: Any, expected: Any) -> float:
+    """Largest ``|actual - expected|`` over tensors, lists of tensors, or two modules (parameters and gradients)."""
+    worst = 0.0
+    for a, e in zip(_tensors_of(actual), _tensors_of(expected)):
+        if a.numel():
+            diff = a.detach().cpu().to(torch.float64) - e.detach().cpu().to(torch.float64)
+            worst = max(worst, float(diff.abs().max()))
+    return worst
+
+
+def report_check(name: str, actual: Any, expected: Any, *, rtol: float | None = None, atol: float | None = None) -> float:
+    """Assert that a parallel result equals its single-process reference on this rank.
+
+    Rank 0 prints ``CHECK <name> ok max_abs_err=<x>``.
+
+    Every rank must call it for every check (the error is maximised over the ranks with an
+    all-reduce). Returns that maximum.
+    """
+    assert_matches_reference(actual, expected, name=name, rtol=rtol, atol=atol)
+    worst = torch.tensor([max_abs_error(actual, expected)], dtype=torch.float64, device=rank_device())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"CHECK {name} ok max_abs_err={worst.item():.3g}", flush=True)
+    return worst.item()
+
+
+def report_result(result: dict[str, Any]) -> None:
+    """Rank 0 prints ``RESULT <json>`` on one line: what a torchrun entry measured."""
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def _run_and_report(fn: Callable[[bool], dict[str, Any]], small: bool) -> None:
+    report_result(fn(small))
+
+
+def entry_main(fn: Callable[[bool], dict[str, Any]], description: str, argv: Sequence[str] | None = None) -> None:
+    """The ``main`` of a chapter's torchrun entry.
+
+    It takes ``--small``, turns NVLink multicast off, runs ``fn(small)`` in every rank and prints ``RESULT`` from rank 0.
+
+    ``fn`` checks the chapter's algorithms (``report_check``) and returns what it measured.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--small", action="store_true", help="tiny sizes, for gloo ranks on a CPU")
+    small = parser.parse_args(argv).small
+    set_nccl_env_defaults()
+    run_as_script(_run_and_report, fn, small)
