@@ -22,10 +22,10 @@ Sections:
                 on gloo, which has no stream priority, a plain second group). The modes take turns
                 over several rounds and each reports its median over the rounds (a mode timed once
                 varies by a fifth from run to run). Hidden communication = compute + communication - step.
-    pipeline    the bubble fraction measured by course_lib.pipeline_parallel's own torchrun entry
-                against (p - 1) / (m + p - 1), started by rank 0 after the other sections as
-                ``torchrun --standalone --nproc_per_node N -m course_lib.pipeline_parallel`` (it sets
-                up its own process group).
+    pipeline    the bubble fraction measured by chapter 14's torchrun self-check against
+                (p - 1) / (m + p - 1), started by rank 0 after the other sections as
+                ``torchrun --standalone --nproc_per_node N -m benchmarks.checks.pipeline_parallel``
+                (it sets up its own process group).
 
 Before the process group starts, NVLink multicast stays off unless the environment says otherwise:
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1
@@ -255,15 +255,17 @@ def ddp_section(small: bool) -> dict[str, Any]:
     }
 
 
-# ---- pipeline (another module's torchrun entry) ---------------------------------------------------
+# ---- pipeline (chapter 14's torchrun self-check) --------------------------------------------------
+
+_PIPELINE_CHECK = "benchmarks.checks.pipeline_parallel"
 
 
 def pipeline_section(world: int, small: bool, timeout: float = 300.0) -> dict[str, Any]:
-    """Run ``course_lib.pipeline_parallel``'s torchrun entry on ``world`` ranks and keep its CHECK lines and RESULT."""
+    """Run chapter 14's torchrun self-check on ``world`` ranks; keep its CHECK lines and RESULT."""
     args = ["--small"] if small else []
-    shown = f"torchrun --standalone --nproc_per_node {world} -m course_lib.pipeline_parallel {' '.join(args)}".rstrip()
+    shown = f"torchrun --standalone --nproc_per_node {world} -m {_PIPELINE_CHECK} {' '.join(args)}".rstrip()
     try:
-        run = run_entry("course_lib.pipeline_parallel", world, *args, timeout=timeout)
+        run = run_entry(_PIPELINE_CHECK, world, *args, timeout=timeout)
     except RuntimeError as err:
         return {"command": shown, "error": str(err)}
     return {

@@ -1,6 +1,44 @@
-"""Reference implementations and shared helpers for the Training at Speed course.
+"""Reference implementations of the Training at Speed course, and what runs them.
 
-One module per topic; a chapter's notebook imports what it needs, starting with ``env``.
+Three kinds of module, three rules for changing them:
+
+- Taught references, one module per chapter topic, read top to bottom after the chapter's exercise;
+  changed together with the chapter's notebook (``solutions/NN_name``):
+
+  ===  ==========================  ==================================================================
+  ch   notebook                    module(s)
+  ===  ==========================  ==================================================================
+  00   00_orientation              ``orientation`` (GPU facts, roofline); ``models`` (the course's GPT)
+  01   01_floating_point           ``floating_point``
+  02   02_memory_math              ``memory_math``
+  03   03_profiling                ``profiling``
+  04   04_activations_optimizers   ``activations``, ``optimizers``
+  05   05_data_pipelines           ``data_pipelines``
+  06   06_mixed_precision          ``mixed_precision``
+  07   07_accumulation_checkpoint  ``accumulation_checkpointing``
+  08   08_fusion                   ``kernels.fusion``
+  09   09_tiling_coalescing        ``kernels.tiling_coalescing``
+  10   10_flash_attention          ``attention`` (in PyTorch), ``kernels.flash_attention`` (Triton)
+  11   11_collectives              ``collectives``
+  12   12_data_parallel            ``data_parallel``
+  13   13_tensor_parallel          ``tensor_parallel``
+  14   14_pipeline_parallel        ``pipeline_parallel``
+  15   15_context_parallel         ``context_parallel``
+  16   16_hybrid_capstone          ``hybrid`` (meshes, DP x TP), ``planner`` (strategy), ``capstone`` (the run)
+  ===  ==========================  ==================================================================
+
+- ``exercises``: the grading harness the test cells call (``exercises.checks`` for every chapter,
+  ``exercises.<topic>`` for one chapter's cases and checkers, ``exercises.ranks`` to run a test in
+  ranks); changed together with the hidden tests.
+- ``support``: what runs the course without being taught (``support.dist`` launches ranks,
+  ``support.torchrun``, ``support.fallback``, ``support.sizes``, ``support.timeline``,
+  ``support.comm``, ``support.timing``); changed with its own tests, for every chapter at once.
+
+Ordering rules: a notebook imports ``env`` first (it picks the device, sets ``TRITON_INTERPRET=1``
+on a machine without CUDA before any kernel is defined, seeds, filters warnings); ``kernels``
+modules import ``env`` themselves for that reason. Taught modules may import ``support`` and each
+other (later chapters build on earlier ones); ``support`` imports no taught module (only
+``exercises.checks``, for its comparisons and the grader's seam); ``exercises`` may import both.
 """
 
 import os as _os

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +33,6 @@ __all__ = [
     "accumulate",
     "accumulated_gradients",
     "accumulation_step",
-    "micro_batch_saved_bytes",
     "segment_bounds",
     "checkpointed_sequential",
     "plain_sequential",
@@ -42,7 +40,6 @@ __all__ = [
     "best_segments",
     "sqrt_segments",
     "fit_plan",
-    "saved_bytes",
     "forward_backward",
     "peak_saved_bytes",
     "cuda_peak_bytes",
@@ -137,13 +134,6 @@ def accumulation_step(
     loss = accumulate(model, loss_fn, batch, micro_batches, reduction)
     optimizer.step()
     return loss
-
-
-def micro_batch_saved_bytes(model: nn.Module, batch_x: torch.Tensor, micro_batches: int) -> int:
-    """Activation bytes autograd keeps for one micro-batch of ``batch_x`` split ``micro_batches`` ways (measured)."""
-    (part,) = split_micro_batches((batch_x,), micro_batches)[0]
-    # a copy, so that the count holds the micro-batch and not the whole batch its slice views
-    return mm.measure_saved_activation_bytes(model, part.clone())
 
 
 # ---- activation checkpointing --------------------------------------------------------------------
@@ -257,11 +247,6 @@ def fit_plan(
             continue
         return k, s
     raise ValueError(f"even a micro-batch of one sample does not fit in {budget:.4g} bytes")
-
-
-def saved_bytes(fn: Callable[..., Any], *inputs: Any) -> int:
-    """Bytes autograd keeps after one forward pass of ``fn(*inputs)``, parameters excluded (memory_math's count)."""
-    return mm.measure_saved_activation_bytes(fn, *inputs)
 
 
 def forward_backward(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:

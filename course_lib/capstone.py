@@ -35,7 +35,7 @@ from course_lib.optimizers import fused_supported
 from course_lib.orientation import H100_SXM, H200_SXM
 from course_lib.planner import ModelSpec, model_flops
 
-__all__ = ["RunConfig", "RunResult", "compare", "flops_per_step", "main", "peak_flops", "train"]
+__all__ = ["RunConfig", "RunResult", "compare", "device_peak_flops", "flops_per_step", "main", "train"]
 
 PRESETS = {"tiny": models.GPTConfig.tiny, "gpt2-small": models.GPTConfig.small}
 
@@ -69,6 +69,7 @@ class RunConfig:
         return replace(self, bf16=False, compile=False, fused_adam=False, checkpointing=False)
 
     def model_config(self) -> models.GPTConfig:
+        """The preset's GPT configuration, with ``seq_len`` if one is given."""
         cfg = PRESETS[self.preset]()
         return cfg if self.seq_len is None else replace(cfg, seq_len=self.seq_len)
 
@@ -95,7 +96,7 @@ def flops_per_step(cfg: models.GPTConfig, batch_size: int) -> float:
     return model_flops(spec)
 
 
-def peak_flops(device: torch.device) -> tuple[float, str]:
+def device_peak_flops(device: torch.device) -> tuple[float, str]:
     """The peak FLOP/s to state MFU against, and where it comes from."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -139,7 +140,7 @@ def train(
 ) -> RunResult:
     """Train ``run``'s GPT for ``warmup + steps`` steps on learnable synthetic batches; time the last ``steps``.
 
-    ``peak`` is (FLOP/s, source) to state MFU against; None asks ``peak_flops``.
+    ``peak`` is (FLOP/s, source) to state MFU against; None asks ``device_peak_flops``.
     """
     from tqdm.auto import tqdm
 
@@ -175,7 +176,7 @@ def train(
         sync()
         elapsed = time.perf_counter() - start if run.steps else float("nan")
     step_s = elapsed / max(run.steps, 1)
-    peak_rate, source = peak if peak is not None else peak_flops(device)
+    peak_rate, source = peak if peak is not None else device_peak_flops(device)
     tokens = run.batch_size * cfg.seq_len
     return RunResult(
         config=run,
@@ -194,7 +195,7 @@ def train(
 def compare(run: RunConfig, device: torch.device | None = None, progress: bool = True) -> dict:
     """Run the fp32 eager baseline and ``run``; return both results and the speed-up in tokens/s."""
     device = device or env.DEVICE
-    peak = peak_flops(device)
+    peak = device_peak_flops(device)
     base = train(run.baseline(), device, progress, peak)
     fast = train(run, device, progress, peak)
     return {"baseline": base, "optimized": fast, "speedup": fast.tokens_per_s / base.tokens_per_s}

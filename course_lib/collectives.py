@@ -12,22 +12,16 @@ Chunks are always taken along dim 0 with ``torch.tensor_split(t, world_size)``: 
 chunk ``r``, as in ``dist.reduce_scatter``. Reductions are sums.
 
 The alpha-beta cost model (``allreduce_steps``, ``allreduce_bytes_per_rank``, ``allreduce_cost``,
-``fit_alpha_beta``, ``algorithm_bandwidth``, ``bus_bandwidth``) runs anywhere. ``rank_input`` and
-``check_collective`` are the chapter's test harness: they run a function on several ranks and
-compare it with PyTorch's own collective and with a single-process reference.
-
-Run as a script on several GPUs (or gloo CPU ranks with ``--small``), it checks every collective
-against the single-process reference and ``dist.all_reduce``, then times them:
-
-    torchrun --nproc_per_node 4 -m course_lib.collectives [--small]
-
+``fit_alpha_beta``, ``algorithm_bandwidth``, ``bus_bandwidth``) runs anywhere. ``rank_input`` is a
+rank's fixed random input and ``ping_pong`` the two-rank message that calibrates alpha and beta.
+The test harness is ``course_lib.exercises.collectives``; the torchrun self-check, on GPUs or gloo
+CPU ranks, is ``benchmarks.checks.collectives``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -53,14 +47,8 @@ __all__ = [
     "BUS_FACTORS",
     "algorithm_bandwidth",
     "bus_bandwidth",
-    "COLLECTIVES",
     "rank_input",
-    "expected_result",
-    "ANY",
-    "check_collective",
-    "time_in_ranks",
     "ping_pong",
-    "main",
 ]
 
 ALGORITHMS = ("naive", "direct", "ring", "tree")
@@ -402,263 +390,21 @@ def bus_bandwidth(n_bytes: float, seconds: float, world_size: int, collective: s
 
 
 # --------------------------------------------------------------------------------------------
-# Test harness: run a rank function against PyTorch's collective and a single-process reference
+# Inputs and measurements in ranks
 # --------------------------------------------------------------------------------------------
-
-COLLECTIVES = (
-    "broadcast", "scatter", "gather", "reduce", "all_gather", "reduce_scatter",
-    "ring_reduce_scatter", "ring_all_gather", "all_reduce",
-)
-_FORBIDDEN = (
-    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
-    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_single",
-    "all_to_all", "all_to_all_single",
-    "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
-)
 
 
 def rank_input(seed: int, rank: int, length: int, dtype: torch.dtype = torch.float32, width: int = 0) -> torch.Tensor:
-    """The test input of ``rank``: ``length`` rows (``width`` columns when width > 0), random but fixed by (seed, rank)."""
+    """The input of ``rank``: ``length`` rows (``width`` columns when width > 0), random but fixed by (seed, rank).
+
+    Every process can build any rank's input, so a single process can compute what a collective
+    over all of them should give.
+    """
     gen = torch.Generator().manual_seed(10_007 * seed + rank)
     shape = (length, width) if width else (length,)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     return torch.randint(-1000, 1000, shape, generator=gen).to(dtype)
-
-
-def expected_result(collective: str, inputs: list[torch.Tensor], root: int = 0) -> list[Any]:
-    """What each rank should end with, computed in one process from every rank's input (sums in float64)."""
-    world = len(inputs)
-    dtype = inputs[0].dtype
-    total = torch.stack([x.to(torch.float64) if dtype.is_floating_point else x for x in inputs]).sum(0).to(dtype)
-    if collective == "broadcast":
-        return [inputs[root].clone() for _ in range(world)]
-    if collective == "scatter":
-        return [c.clone() for c in torch.tensor_split(inputs[root], world)]
-    if collective == "gather":
-        return [[x.clone() for x in inputs] if r == root else None for r in range(world)]
-    if collective == "reduce":  # what the other ranks return is not specified
-        return [total if r == root else ANY for r in range(world)]
-    if collective == "all_gather":
-        return [[x.clone() for x in inputs] for _ in range(world)]
-    if collective in ("reduce_scatter", "ring_reduce_scatter"):
-        return [c.clone() for c in torch.tensor_split(total, world)]
-    if collective == "ring_all_gather":  # rank r contributes chunk r of its own input
-        full = torch.cat([torch.tensor_split(x, world)[r] for r, x in enumerate(inputs)])
-        return [full for _ in range(world)]
-    if collective == "all_reduce":
-        return [total for _ in range(world)]
-    raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
-
-
-_NOT_DONE = "__not_implemented__"
-ANY = "__any__"  # an expected result that is not checked
-
-
-def _torch_version_of(collective: str, x: torch.Tensor, root: int) -> Any:
-    """PyTorch's own collective on ``x`` (a copy), or None where it has no equal-semantics version."""
-    rank, world = _me()
-    y = x.clone()
-    if collective == "broadcast":
-        dist.broadcast(y, root)
-        return y
-    if collective == "reduce":
-        dist.reduce(y, root)
-        return y if rank == root else None
-    if collective in ("all_reduce",):
-        dist.all_reduce(y)
-        return y
-    if collective == "all_gather":
-        out = [torch.empty_like(y) for _ in range(world)]
-        dist.all_gather(out, y)
-        return out
-    if collective == "gather":
-        gathered = [torch.empty_like(y) for _ in range(world)] if rank == root else None
-        dist.gather(y, gathered, dst=root)
-        return gathered
-    if collective == "ring_all_gather" and x.shape[0] % world == 0 and x.numel():
-        out = [torch.empty_like(torch.tensor_split(y, world)[rank]) for _ in range(world)]
-        dist.all_gather(out, torch.tensor_split(y, world)[rank].contiguous())
-        return torch.cat(out)
-    if collective in ("reduce_scatter", "ring_reduce_scatter", "scatter") and x.shape[0] % world == 0 and x.numel():
-        if collective == "scatter":
-            piece = torch.empty_like(torch.tensor_split(y, world)[rank])
-            dist.scatter(piece, list(torch.tensor_split(y, world)) if rank == root else None, src=root)
-            return piece
-        chunks = [c.contiguous() for c in torch.tensor_split(y, world)]
-        piece = torch.empty_like(chunks[rank])
-        dist.reduce_scatter(piece, chunks)
-        return piece
-    return None
-
-
-def _call_rank(fn: Callable[..., Any], collective: str, x: torch.Tensor, root: int) -> Any:
-    rank, world = _me()
-    if collective in ("broadcast", "scatter"):
-        return fn(x, root)
-    if collective in ("gather", "reduce"):
-        return fn(x, root)
-    if collective == "ring_all_gather":
-        return fn(torch.tensor_split(x, world)[rank].clone(), chunk_sizes(x.shape[0], world))
-    return fn(x)
-
-
-def _rank_cases(fn: Callable[..., Any], collective: str, cases: list[tuple], forbid: bool) -> list[Any]:
-    rank, _ = _me()
-    device = _rank_device()
-    results = []
-    for seed, length, dtype, root, width in cases:
-        x = rank_input(seed, rank, length, dtype, width).to(device)
-        theirs = _torch_version_of(collective, x, root)
-        saved = {}
-        if forbid:
-            for name in _FORBIDDEN:
-                if hasattr(dist, name):
-                    saved[name] = getattr(dist, name)
-                    setattr(dist, name, _forbidden(name))
-        try:
-            mine = _call_rank(fn, collective, x.clone(), root)
-        except NotImplementedError:
-            return [_NOT_DONE]
-        finally:
-            for name, value in saved.items():
-                setattr(dist, name, value)
-        results.append((_to_cpu(mine), _to_cpu(theirs)))
-        dist.barrier()
-    return results
-
-
-def _forbidden(name: str) -> Callable[..., Any]:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError(f"dist.{name} is not allowed here: build this collective from send/recv (isend/irecv)")
-    return refuse
-
-
-def _rank_device() -> torch.device:
-    from course_lib.support import dist as cdist
-
-    return cdist.rank_device()
-
-
-def _to_cpu(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu()
-    if isinstance(x, (list, tuple)):
-        return [_to_cpu(v) for v in x]
-    return x
-
-
-def check_collective(
-    fn: Callable[..., Any],
-    collective: str,
-    world_size: int,
-    cases: Sequence[tuple],
-    *,
-    point_to_point_only: bool = True,
-    timeout: float = 30.0,
-) -> None:
-    """Run ``fn`` on ``world_size`` ranks for every case and check what each rank returns.
-
-    ``cases`` holds ``(seed, length[, dtype[, root[, width]]])`` tuples (defaults float32, root 0,
-    1-D). How ``fn`` is called follows ``collective`` (see ``COLLECTIVES``): ``fn(t, root)`` for
-    broadcast, scatter, gather and reduce, ``fn(chunk, sizes)`` for ring_all_gather, ``fn(t)``
-    otherwise. Each rank's result is compared with the single-process reference
-    (``expected_result``) and with PyTorch's own collective run on the same ranks where one exists.
-    With ``point_to_point_only`` the torch collectives are unavailable to ``fn`` while it runs.
-    Raises ``NotDoneYet`` for an untouched exercise and ``AssertionError`` saying which rank,
-    case and element went wrong. The ranks use gloo on the CPU even where there are GPUs: under
-    NCCL, an ``irecv`` and an ``isend`` to the same peer posted one after the other queue on one
-    stream, so the "post both, then wait" schedule this chapter teaches would hang there.
-    """
-    from course_lib.exercises.checks import assert_close, not_done
-    from course_lib.support import dist as cdist
-
-    if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
-    full = []
-    for case in cases:
-        seed, length, *rest = case
-        dtype = rest[0] if len(rest) > 0 else torch.float32
-        root = rest[1] if len(rest) > 1 else 0
-        width = rest[2] if len(rest) > 2 else 0
-        full.append((seed, length, dtype, root, width))
-    name = getattr(fn, "__name__", repr(fn))
-    try:
-        per_rank = cdist.launch(_rank_cases, world_size, fn, collective, full, point_to_point_only,
-                                backend="gloo", timeout=timeout)
-    except TimeoutError:
-        raise AssertionError(
-            f"{name} on {world_size} ranks did not finish within {timeout:g} s: most likely a deadlock "
-            "(a rank waits in recv for a message nobody sends, or every rank sends before anyone receives; "
-            "post isend and irecv together, and check that sender and receiver agree on peers and sizes)"
-        ) from None
-    if any(res == [_NOT_DONE] for res in per_rank):
-        raise not_done(fn)
-    for i, case in enumerate(full):
-        seed, length, dtype, root, width = case
-        inputs = [rank_input(seed, r, length, dtype, width) for r in range(world_size)]
-        want = expected_result(collective, inputs, root)
-        label = f"{name} with {world_size} ranks, length {length}{f'x{width}' if width else ''}, {dtype}, seed {seed}"
-        if collective in ("broadcast", "scatter", "gather", "reduce"):
-            label += f", root {root}"
-        for r in range(world_size):
-            mine, theirs = per_rank[r][i]
-            _compare(mine, want[r], f"{label}: rank {r}'s result", assert_close, dtype)
-            if theirs is not None:
-                _compare(mine, theirs, f"{label}: rank {r}'s result against PyTorch's dist.{collective.replace('ring_', '')}",
-                         assert_close, dtype)
-
-
-def _compare(got: Any, want: Any, label: str, assert_close: Callable[..., None], dtype: torch.dtype) -> None:
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
-    if isinstance(want, str) and want == ANY:
-        return
-    if want is None:
-        if got is not None:
-            raise AssertionError(f"{label}: expected None (only the root gets the gathered list), got {type(got).__name__}")
-        return
-    if isinstance(want, list):
-        if not isinstance(got, (list, tuple)) or len(got) != len(want):
-            what = f"a {type(got).__name__} of length {len(got)}" if isinstance(got, (list, tuple)) else type(got).__name__
-            raise AssertionError(f"{label}: expected a list of {len(want)} tensors (one per rank), got {what}")
-        for j, (g, w) in enumerate(zip(got, want)):
-            assert_close(g, w, name=f"{label}[{j}]", **tol)
-        return
-    assert_close(got, want, name=label, **tol)
-
-
-# --------------------------------------------------------------------------------------------
-# Timing inside ranks
-# --------------------------------------------------------------------------------------------
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_in_ranks(fn: Callable[[torch.Tensor], Any], t: torch.Tensor, repeat: int = 5, warmup: int = 1) -> list[float]:
-    """Seconds of each of ``repeat`` calls of ``fn(t)`` made by all ranks together (call inside every rank).
-
-    The ranks line up at a barrier before each call; a call's time is the slowest rank's (an
-    all-reduce of the per-rank times with MAX), so every rank returns the same list.
-    """
-    import time
-
-    device = t.device
-    for _ in range(warmup):
-        fn(t)
-    _sync(device)
-    times = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        fn(t)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.cpu().tolist()
 
 
 def ping_pong(t: torch.Tensor) -> None:
@@ -670,83 +416,3 @@ def ping_pong(t: torch.Tensor) -> None:
     elif rank == 1:
         dist.recv(t, 0)
         dist.send(t, 0)
-
-
-# --------------------------------------------------------------------------------------------
-# Running under torchrun: checks and results printed by rank 0 (shared by chapters 11-16)
-# --------------------------------------------------------------------------------------------
-
-_P2P_COLLECTIVES: dict[str, Callable[..., Any]] = {
-    "broadcast": broadcast_p2p,
-    "scatter": scatter_p2p,
-    "gather": gather_p2p,
-    "reduce": reduce_p2p,
-    "all_gather": all_gather_p2p,
-    "reduce_scatter": reduce_scatter_p2p,
-    "ring_reduce_scatter": ring_reduce_scatter,
-    "ring_all_gather": ring_all_gather,
-}
-
-
-def _check_everything(small: bool) -> dict[str, Any]:
-    """In a rank: every collective against the single-process reference, the ring against ``dist.all_reduce``; the timings."""
-    from course_lib.support.dist import rank_device
-    from course_lib.support.torchrun import report_check
-
-    rank, world = _me()
-    device = rank_device()
-    lengths = [4 * world, 4 * world + 1, 1000 * world + 1] if small else [4 * world + 1, 2**20 + 1, 2**22 + world - 1]
-    for i, length in enumerate(lengths):
-        inputs = [rank_input(i, r, length) for r in range(world)]
-        x = inputs[rank].to(device)
-        ours, theirs = ring_all_reduce(x.clone()), x.clone()
-        dist.all_reduce(theirs)
-        tol = {"rtol": 1e-5, "atol": 1e-5 * world}
-        report_check(f"ring_all_reduce n={length} vs single-process sum", ours, expected_result("all_reduce", inputs)[rank],
-                     **tol)
-        report_check(f"ring_all_reduce n={length} vs dist.all_reduce", ours, theirs, **tol)
-    root = world - 1
-    for name, fn in _P2P_COLLECTIVES.items():
-        for seed, length in enumerate(lengths[:2]):
-            [(mine, _)] = _rank_cases(fn, name, [(seed, length, torch.float32, root, 0)], False)
-            want = expected_result(name, [rank_input(seed, r, length) for r in range(world)], root)[rank]
-            if want is None or (isinstance(want, str) and want == ANY):  # not the root: nothing to compare
-                mine, want = [], []
-            report_check(f"{fn.__name__} n={length} root={root} vs single-process", mine, want, rtol=1e-5, atol=1e-5 * world)
-    return _all_reduce_timings(small, device)
-
-
-def _all_reduce_timings(small: bool, device: torch.device) -> dict[str, Any]:
-    """In a rank: ping-pong, the ring and ``dist.all_reduce`` timed by size (slowest rank, fastest repeat), alpha-beta fit."""
-    world = dist.get_world_size()
-    sizes = [2**k for k in range(10, 17, 2)] if small else [2**k for k in range(10, 27, 2)]
-    repeat = 3 if small else 10
-    times: dict[str, list[float]] = {"ping_pong_s": [], "ring_all_reduce_s": [], "dist_all_reduce_s": []}
-    for n_bytes in sizes:
-        t = torch.zeros(n_bytes // 4, device=device)  # zeros stay zeros however often they are summed
-        times["ping_pong_s"].append(min(time_in_ranks(ping_pong, t, repeat)) / 2)
-        times["ring_all_reduce_s"].append(min(time_in_ranks(ring_all_reduce, t, repeat)))
-        times["dist_all_reduce_s"].append(min(time_in_ranks(dist.all_reduce, t, repeat)))
-    alpha, beta = fit_alpha_beta(sizes, times["ping_pong_s"])
-    big = sizes[-1]
-    return {
-        "world_size": world,
-        "backend": dist.get_backend(),
-        "sizes_bytes": sizes,
-        **times,
-        "ping_pong_alpha_s": alpha,
-        "ping_pong_bandwidth_GBps": 1 / beta / 1e9 if beta > 0 else None,
-        "ring_busbw_GBps_largest": bus_bandwidth(big, times["ring_all_reduce_s"][-1], world) / 1e9,
-        "dist_busbw_GBps_largest": bus_bandwidth(big, times["dist_all_reduce_s"][-1], world) / 1e9,
-    }
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry for ``torchrun --nproc_per_node N -m course_lib.collectives [--small]`` (needs N >= 2)."""
-    from course_lib.support.torchrun import entry_main
-
-    entry_main(_check_everything, "Check the chapter-11 collectives on N ranks and time them.", argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -13,26 +13,23 @@ into its own output with the logsumexp merge of FlashAttention (Liu et al., 2023
 - ``allgather_attention_forward``: the alternative that all-gathers K and V first.
 - ``zigzag_indices`` / ``zigzag_shard`` / ``zigzag_unshard``, ``ring_step_work`` and
   ``causal_work_per_rank``: layouts and the causal work they give each rank.
-- ``kv_comm_bytes`` / ``kv_buffer_bytes`` / ``count_received_bytes``: communication and memory.
+- ``kv_comm_bytes`` / ``kv_buffer_bytes`` / ``score_matrix_bytes``: communication and memory.
 
-Run ``torchrun --nproc_per_node N -m course_lib.context_parallel [--small]`` to check every
-algorithm against full attention on N ranks and print the chapter's measurements.
+The bytes that really travel are counted with ``course_lib.support.comm.record_collectives``; the
+torchrun self-check on N ranks is ``benchmarks.checks.context_parallel``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from course_lib.attention import naive_attention, tiled_attention, tiled_attention_backward
-from course_lib.data_parallel import Timeline
+from course_lib.attention import tiled_attention, tiled_attention_backward
+from course_lib.support.timeline import Timeline
 
 __all__ = [
     "LAYOUTS",
@@ -41,16 +38,12 @@ __all__ = [
     "block_attention",
     "causal_ring_attention_forward",
     "causal_work_per_rank",
-    "check_and_measure",
     "chunk_pair_kind",
     "contiguous_indices",
-    "count_received_bytes",
     "kv_buffer_bytes",
     "kv_comm_bytes",
     "layout_indices",
-    "main",
     "merge_partials",
-    "random_qkv",
     "ring_attention",
     "ring_attention_forward",
     "ring_shift",
@@ -226,34 +219,8 @@ def causal_work_per_rank(n: int, world_size: int, layout: str) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------
-# Point-to-point exchange round the ring, with a byte counter
+# Point-to-point exchange round the ring
 # --------------------------------------------------------------------------------------------
-
-
-class _Counter:
-    """Bytes that arrived at this rank from other ranks inside ``count_received_bytes``."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-
-
-_COUNTERS: list[_Counter] = []
-
-
-@contextlib.contextmanager
-def count_received_bytes() -> Iterator[_Counter]:
-    """Inside: ``ring_shift`` and ``allgather_attention_forward`` add the bytes each rank receives to ``.bytes``."""
-    counter = _Counter()
-    _COUNTERS.append(counter)
-    try:
-        yield counter
-    finally:
-        _COUNTERS.remove(counter)
-
-
-def _count(n_bytes: int) -> None:
-    for c in _COUNTERS:
-        c.bytes += n_bytes
 
 
 class _Pending:
@@ -263,6 +230,7 @@ class _Pending:
         self.works, self.received = works, received
 
     def wait(self) -> list[torch.Tensor]:
+        """Wait for the receives (and this rank's sends); return the received tensors."""
         for w in self.works:
             w.wait()
         return self.received
@@ -280,9 +248,7 @@ def ring_shift(tensors: Sequence[torch.Tensor]) -> _Pending:
     received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), (rank + 1) % world) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, (rank - 1) % world) for r in received]
-    works = dist.batch_isend_irecv(ops)
-    _count(sum(r.numel() * r.element_size() for r in received))
-    return _Pending(works, received)
+    return _Pending(dist.batch_isend_irecv(ops), received)
 
 
 def _sync(device: torch.device) -> None:
@@ -329,7 +295,8 @@ def ring_attention_forward(
     block into its (output, lse) with ``merge_partials``. ``causal`` masks by global position
     for the ``layout`` the shards were cut with (skipping chunk pairs entirely in the future).
     ``overlap`` starts receiving the next block before computing on the current one; a
-    ``timeline`` records "compute" and "wait" spans. Output in q's dtype, lse in fp32/fp64.
+    ``timeline`` records "compute" and "wait" spans (lane "rank <r>", label "step <s>").
+    Output in q's dtype, lse in fp32/fp64.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     n_chunks = len(_chunks_of(layout, rank, world))
@@ -342,20 +309,20 @@ def ring_attention_forward(
     for step in range(world):
         last = step == world - 1
         pending = ring_shift(kv) if overlap and not last else None
-        start = time.perf_counter()
+        start = Timeline.now()
         k_chunks, v_chunks = _split_chunks(kv[0], n_chunks), _split_chunks(kv[1], n_chunks)
         for qi, ki, diagonal in _pairs(layout, rank, (rank - step) % world, world, causal):
             o, lse = block_attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], causal=diagonal, scale=sc)
             outs[qi], lses[qi] = merge_partials([outs[qi], o], [lses[qi], lse])
         if timeline is not None:
             _sync(q.device)
-            timeline.add("compute", f"step {step}", start, time.perf_counter())
+            timeline.add(f"rank {rank}", "compute", f"step {step}", start, Timeline.now())
         if not last:
-            start = time.perf_counter()
+            start = Timeline.now()
             kv = (pending or ring_shift(kv)).wait()
             if timeline is not None:
                 _sync(q.device)
-                timeline.add("wait", f"step {step}", start, time.perf_counter())
+                timeline.add(f"rank {rank}", "wait", f"step {step}", start, Timeline.now())
     return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
 
 
@@ -445,7 +412,6 @@ def allgather_attention_forward(
     vs = [torch.empty_like(v) for _ in range(world)]
     dist.all_gather(ks, k.contiguous())
     dist.all_gather(vs, v.contiguous())
-    _count((world - 1) * (k.numel() * k.element_size() + v.numel() * v.element_size()))
     n = k.shape[-2] * world
     positions = [layout_indices(layout, n, r, world).to(q.device) for r in range(world)]
     k_all, v_all, k_pos = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), torch.cat(positions)
@@ -479,119 +445,3 @@ def kv_buffer_bytes(strategy: str, n: int, head_dim: int, world_size: int, batch
     if strategy == "allgather":
         return 2 * world_size * shard
     raise ValueError(f"strategy must be 'ring' or 'allgather', got {strategy!r}")
-
-
-# --------------------------------------------------------------------------------------------
-# torchrun entry: check every algorithm, print the measurements
-# --------------------------------------------------------------------------------------------
-
-
-def random_qkv(batch: int, heads: int, n: int, d: int, dtype: torch.dtype = torch.float32, seed: int = 0,
-               count: int = 3) -> list[torch.Tensor]:
-    """``count`` seeded random (batch, heads, n, d) tensors on the CPU: queries, keys, values (and more of that shape)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, n, d, dtype=dtype, generator=g) for _ in range(count)]
-
-
-def _inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
-    return [t.to(device) for t in random_qkv(b, h, n, d, dtype, seed, count=4)]
-
-
-def _grad(t: torch.Tensor) -> torch.Tensor:
-    """``t.grad``, which the backward pass just filled."""
-    assert t.grad is not None, "the backward pass did not reach this tensor"
-    return t.grad
-
-
-def _check(name: str, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], rtol: float, atol: float) -> None:
-    from course_lib.support.torchrun import assert_matches_reference
-
-    assert_matches_reference(list(got), list(want), name=name, rtol=rtol, atol=atol)
-    err = max(float((a.double().cpu() - e.double().cpu()).abs().max()) for a, e in zip(got, want))
-    if dist.get_rank() == 0:
-        print(f"CHECK {name} ok max_abs_err={err:.3g}", flush=True)
-
-
-def _timed(fn: Any, repeat: int, device: torch.device) -> float:
-    """Median seconds of ``fn()`` over ``repeat`` calls, all ranks starting together; the slowest rank's time."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    t = torch.tensor([float(np.median(times))], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def check_and_measure(small: bool = False) -> dict[str, Any]:
-    """Run and check every algorithm on this world (call inside an initialised process group); rank 0 prints the lines."""
-    from course_lib.support.dist import rank_device
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = rank_device()
-    on_gpu = device.type == "cuda"
-    b, h, n, d = (1, 2, 16 * world, 8) if small else (1, 8, 1024 * world, 64)
-    dtype = torch.float64 if small else torch.float32
-    rtol, atol = (1e-9, 1e-10) if small else (2e-3, 2e-4)
-    if on_gpu and not small:
-        torch.backends.cuda.matmul.allow_tf32 = False
-    q, k, v, dout = _inputs(b, h, n, d, dtype, device)
-    for causal, layout in ((False, "contiguous"), (True, "zigzag"), (True, "contiguous")):
-        name = "causal_" + layout if causal else "noncausal"
-        lq, lk, lv = (t.clone().requires_grad_(True) for t in (q, k, v))
-        ref = naive_attention(lq, lk, lv, causal=causal)
-        ref.backward(dout)
-        sq, sk, sv = (shard_sequence(t.detach(), rank, world, layout).requires_grad_(True) for t in (q, k, v))
-        out = ring_attention(sq, sk, sv, causal=causal, layout=layout)
-        out.backward(shard_sequence(dout, rank, world, layout))
-        _check(f"ring_{name}_forward", [out.detach()], [shard_sequence(ref.detach(), rank, world, layout)], rtol, atol)
-        _check(f"ring_{name}_backward", [_grad(s) for s in (sq, sk, sv)],
-               [shard_sequence(_grad(t), rank, world, layout) for t in (lq, lk, lv)], rtol, atol)
-        ag_out, _ = allgather_attention_forward(sq.detach(), sk.detach(), sv.detach(), causal=causal, layout=layout)
-        _check(f"allgather_{name}_forward", [ag_out], [shard_sequence(ref.detach(), rank, world, layout)], rtol, atol)
-
-    result: dict[str, Any] = {"world_size": world, "backend": dist.get_backend(), "seq_len": n, "batch": b,
-                              "heads": h, "head_dim": d, "dtype": str(dtype).removeprefix("torch.")}
-    repeat = 3 if small else 10
-    for layout in ("contiguous", "zigzag"):
-        qs, ks, vs = (shard_sequence(t, rank, world, layout) for t in (q, k, v))
-        tl = Timeline()
-        ring_attention_forward(qs, ks, vs, causal=True, layout=layout, timeline=tl)
-        compute = torch.tensor([sum(e - s for kind, _, s, e in tl.spans if kind == "compute")], dtype=torch.float64,
-                               device=device)
-        gathered = [torch.zeros_like(compute) for _ in range(world)]
-        dist.all_gather(gathered, compute)
-        result[f"causal_{layout}_compute_s_per_rank"] = [float(t) for t in gathered]
-        result[f"causal_{layout}_time_s"] = _timed(
-            functools.partial(ring_attention_forward, qs, ks, vs, causal=True, layout=layout), repeat, device)
-        result[f"causal_{layout}_work_per_rank"] = causal_work_per_rank(n, world, layout)
-    qs, ks, vs = (shard_sequence(t, rank, world, "contiguous") for t in (q, k, v))
-    with count_received_bytes() as counter:
-        ring_attention_forward(qs, ks, vs)
-    result["ring_forward_bytes_received_per_rank"] = counter.bytes
-    result["ring_forward_bytes_formula"] = kv_comm_bytes("ring", n, d, world, b * h, q.element_size())
-    with count_received_bytes() as counter:
-        allgather_attention_forward(qs, ks, vs)
-    result["allgather_forward_bytes_received_per_rank"] = counter.bytes
-    result["kv_buffer_bytes"] = {s: kv_buffer_bytes(s, n, d, world, b * h, q.element_size()) for s in ("ring", "allgather")}
-    for overlap in (True, False):
-        key = "time_with_overlap_s" if overlap else "time_without_overlap_s"
-        result[key] = _timed(functools.partial(ring_attention_forward, qs, ks, vs, overlap=overlap), repeat, device)
-    result["overlap_measured_on"] = "gpu" if on_gpu else "cpu (gloo; not meaningful for overlap)"
-    return result
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``torchrun --nproc_per_node N -m course_lib.context_parallel [--small]``: check ring attention, print RESULT json."""
-    from course_lib.support.torchrun import entry_main
-
-    entry_main(check_and_measure, "Check ring attention on every rank of a torchrun world.", argv)
-
-
-if __name__ == "__main__":
-    main()

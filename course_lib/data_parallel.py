@@ -6,7 +6,6 @@ per-shard mean gradients over equal shards gives exactly the big-batch gradient,
 train the same model as one process with an N times larger batch.
 
     from course_lib import data_parallel as dp
-    from course_lib.support.dist import launch
 
     dp.averaged_shard_gradients(model, F.mse_loss, x, y, world_size=4)   # single process, by hand
     # inside a rank (launched with course_lib.support.dist.launch):
@@ -17,11 +16,9 @@ train the same model as one process with an N times larger batch.
     # cost model
     dp.scaling_efficiency(t_compute=0.30, t_comm=0.12, t_overlap=0.10)  # 0.9375
 
-On several GPUs (or gloo CPU ranks with ``--small``) the module checks naive DDP, bucketed DDP
-and ZeRO-1 against single-process training and PyTorch's DDP / ZeroRedundancyOptimizer, and
-times a step of each DDP:
-
-    torchrun --nproc_per_node 4 -m course_lib.data_parallel [--small]
+The exercises' training cases and rank workers are ``course_lib.exercises.data_parallel``; the
+torchrun self-check against PyTorch's DDP and ZeroRedundancyOptimizer, on GPUs or gloo CPU
+ranks, is ``benchmarks.checks.data_parallel``.
 """
 
 from __future__ import annotations
@@ -29,9 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,35 +36,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.accumulation_checkpointing import split_micro_batches
-from course_lib.exercises.checks import not_done
-from course_lib.models import MLP
 from course_lib.optimizers import adam_step
 
 __all__ = [
     "shard_batch",
-    "full_batch_gradients",
+    "loss_gradients",
     "averaged_shard_gradients",
     "sampler_indices",
     "broadcast_parameters",
     "average_gradients",
-    "naive_ddp_step",
     "assign_buckets",
-    "Timeline",
-    "record_all_reduces",
     "BucketedDDP",
     "ZeroStage1Optimizer",
-    "state_tensor_bytes",
     "step_compute_time",
     "scaling_efficiency",
-    "TrainCase",
-    "train_reference",
-    "train_naive_ddp",
-    "train_bucketed_ddp",
-    "train_zero1",
-    "launch_exercise",
-    "gradient_scale_hint",
-    "train_on_device",
-    "main",
 ]
 
 # ---- the maths, in one process ----------------------------------------------------------------
@@ -88,10 +68,14 @@ def shard_batch(batch: torch.Tensor | Sequence[torch.Tensor], rank: int, world_s
     return shards[0] if isinstance(batch, torch.Tensor) else shards
 
 
-def full_batch_gradients(
+def loss_gradients(
     model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: torch.Tensor, y: torch.Tensor
 ) -> list[torch.Tensor]:
-    """Gradients of ``loss_fn(model(x), y)`` for each parameter that requires grad (the big-batch reference)."""
+    """Gradients of ``loss_fn(model(x), y)``, one per parameter that requires grad; ``.grad`` is left alone.
+
+    ``torch.autograd.grad`` returns them instead of accumulating them into ``.grad`` (chapter 07's
+    ``accumulation_checkpointing.full_batch_gradients`` goes through ``.grad`` and clears it).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     return list(torch.autograd.grad(loss_fn(model(x), y), params, allow_unused=False))
 
@@ -109,7 +93,7 @@ def averaged_shard_gradients(
     total: list[torch.Tensor] | None = None
     for rank in range(world_size):
         xs, ys = shard_batch((x, y), rank, world_size)
-        grads = full_batch_gradients(model, loss_fn, xs, ys)
+        grads = loss_gradients(model, loss_fn, xs, ys)
         total = grads if total is None else [t + g for t, g in zip(total, grads)]
     assert total is not None
     return [t / world_size for t in total]
@@ -166,26 +150,6 @@ def average_gradients(model: nn.Module) -> None:
             p.grad.div_(world_size)
 
 
-def naive_ddp_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    average_fn: Callable[[nn.Module], None] = average_gradients,
-) -> torch.Tensor:
-    """One naive data-parallel step on this rank's shard ``(x, y)``: forward, backward, average, update.
-
-    Returns the local loss.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    average_fn(model)
-    optimizer.step()
-    return loss.detach()
-
-
 # ---- bucketed, overlapped DDP ---------------------------------------------------------------------
 
 
@@ -217,64 +181,6 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: float) -> l
     return buckets
 
 
-class Timeline:
-    """Spans (kind, label, start, end) recorded in one rank, in seconds of ``time.perf_counter``.
-
-    All ranks of one machine share that clock, so spans from several ranks can be drawn on one
-    axis (``plot_timeline``). ``add`` is safe to call from a communication thread.
-    """
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, str, float, float]] = []
-
-    @staticmethod
-    def now() -> float:
-        """The current time on the shared clock."""
-        return time.perf_counter()
-
-    def add(self, kind: str, label: str, start: float, end: float) -> None:
-        """Record one span."""
-        self.spans.append((kind, label, start, end))
-
-    @contextlib.contextmanager
-    def span(self, kind: str, label: str = "") -> Iterator[None]:
-        """Record the time the ``with`` body takes."""
-        start = self.now()
-        try:
-            yield
-        finally:
-            self.add(kind, label, start, self.now())
-
-
-@contextlib.contextmanager
-def record_all_reduces(timeline: Timeline, label: str = "all-reduce") -> Iterator[None]:
-    """Inside: every ``torch.distributed.all_reduce`` call is recorded in ``timeline`` as a span, from launch to completion.
-
-    A synchronous call ends when it returns; an asynchronous one (``async_op=True``) when its
-    future completes (a callback on ``work.get_future()``). Works with any code that calls
-    ``dist.all_reduce`` through the ``torch.distributed`` module.
-    """
-    original = dist.all_reduce
-    count = 0
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        nonlocal count
-        name, start = f"{label} {count}", timeline.now()
-        count += 1
-        work = original(*args, **kwargs)
-        if kwargs.get("async_op", False) and work is not None:
-            work.get_future().then(lambda _: timeline.add("all-reduce", name, start, timeline.now()))
-        else:
-            timeline.add("all-reduce", name, start, timeline.now())
-        return work
-
-    dist.all_reduce = recording
-    try:
-        yield
-    finally:
-        dist.all_reduce = original
-
-
 class BucketedDDP(nn.Module):
     """Data parallelism that overlaps gradient all-reduces with the backward pass, like torch's DDP.
 
@@ -290,17 +196,15 @@ class BucketedDDP(nn.Module):
     already in ``.grad``. Call it after ``backward()`` and before ``optimizer.step()``. Inside
     ``no_sync()`` the hooks do not communicate and gradients just accumulate locally. ``group``
     is the process group to average over (all ranks by default; a data-parallel subgroup in a
-    hybrid layout). With a ``timeline``, the backward hooks and all-reduces are recorded in it.
+    hybrid layout).
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, *, group: dist.ProcessGroup | None = None,
-                 timeline: Timeline | None = None) -> None:
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, *, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
         self._native_avg = dist.get_backend(group) == "nccl"
-        self.timeline = timeline
         broadcast_parameters(module, group=group)
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = assign_buckets(self._params, bucket_cap_mb * 2**20)
@@ -357,9 +261,6 @@ class BucketedDDP(nn.Module):
         self._into_bucket(i)
         if not self._sync:
             return
-        if self.timeline is not None:
-            now = self.timeline.now()
-            self.timeline.add("grad ready", str(i), now, now)
         b = self._bucket_of[i]
         self._ready[b] += 1
         if b == self._next:
@@ -376,11 +277,7 @@ class BucketedDDP(nn.Module):
         if not self._native_avg:
             flat.div_(self.world_size)
             op = dist.ReduceOp.SUM
-        start = self.timeline.now() if self.timeline is not None else 0.0
         work = dist.all_reduce(flat, op=op, group=self.group, async_op=True)
-        if self.timeline is not None:
-            timeline = self.timeline
-            work.get_future().then(lambda _: timeline.add("all-reduce", f"bucket {b}", start, timeline.now()))
         self._inflight.append((b, work))
 
     def finish_gradient_sync(self) -> None:
@@ -468,26 +365,6 @@ class ZeroStage1Optimizer:
             offset += p.numel()
 
 
-def state_tensor_bytes(state: Any) -> int:
-    """Bytes of every tensor inside ``state`` (dicts, lists, tuples, an optimizer's ``.state``), each storage once."""
-    seen: dict[tuple[str, int], int] = {}
-
-    def visit(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            if hasattr(obj, "to_local"):  # a DTensor (FSDP2): count this rank's local shard
-                obj = obj.to_local()
-            seen[(str(obj.device), obj.untyped_storage().data_ptr())] = obj.untyped_storage().nbytes()
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                visit(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                visit(v)
-
-    visit(state)
-    return sum(seen.values())
-
-
 # ---- the cost model -------------------------------------------------------------------------------
 
 
@@ -513,359 +390,3 @@ def scaling_efficiency(t_compute: Any, t_comm: Any, t_overlap: Any = 0.0) -> Any
         raise ValueError("t_comm and t_overlap must not be negative")
     eff = c / (c + np.maximum(m - o, 0.0))
     return float(eff) if eff.ndim == 0 else eff
-
-
-# ---- exercise harness: cases, single-process references and rank workers ---------------------------
-
-
-@dataclass(frozen=True)
-class TrainCase:
-    """A small training run: an MLP of ``sizes`` on a regression batch, the same in every process that builds it.
-
-    ``batch`` is the global batch; each of the ``steps`` optimizer steps takes ``accumulation``
-    micro-batches of that size. ``optimizer`` is "sgd" or "adam".
-    """
-
-    sizes: tuple[int, ...] = (5, 7, 3)
-    batch: int = 12
-    steps: int = 3
-    seed: int = 0
-    optimizer: str = "sgd"
-    lr: float = 0.1
-    dtype: torch.dtype = torch.float64
-    accumulation: int = 1
-    weight_decay: float = 0.0
-    bucket_cap_mb: float = 1e-4
-
-    def model(self, seed: int | None = None) -> MLP:
-        """The initial model (``seed`` overrides the case's: ranks that start from different weights)."""
-        return MLP(self.sizes, nn.Tanh, seed=self.seed if seed is None else seed).to(self.dtype)
-
-    def data(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs (steps, accumulation, batch, in) and targets (steps, accumulation, batch, out)."""
-        g = torch.Generator().manual_seed(1000 + self.seed)
-        shape = (self.steps, self.accumulation, self.batch)
-        x = torch.randn(*shape, self.sizes[0], generator=g).to(self.dtype)
-        y = torch.randn(*shape, self.sizes[-1], generator=g).to(self.dtype)
-        return x, y
-
-    def make_optimizer(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-        """torch.optim.SGD or Adam with the case's learning rate and weight decay."""
-        if self.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
-        if self.optimizer == "adam":
-            return torch.optim.Adam(params, lr=self.lr, weight_decay=self.weight_decay)
-        raise ValueError(f"unknown optimizer {self.optimizer!r}")
-
-    def describe(self, world_size: int) -> str:
-        """A one-line label for messages."""
-        return (
-            f"{world_size} ranks, MLP{list(self.sizes)} {str(self.dtype).replace('torch.', '')}, "
-            f"{self.optimizer} lr={self.lr}, batch {self.batch}, "
-            f"{self.steps} steps x {self.accumulation} micro-batches, seed {self.seed}"
-        )
-
-
-def _grad_copies(model: nn.Module) -> list[torch.Tensor]:
-    """Copies of the gradients of ``model``'s parameters, which a backward pass has just filled."""
-    grads = [p.grad for p in model.parameters()]
-    if any(g is None for g in grads):
-        raise AttributeError("a parameter has no gradient after the backward pass")
-    return [g.clone() for g in grads if g is not None]
-
-
-def train_reference(case: TrainCase) -> dict[str, list[torch.Tensor]]:
-    """Single-process big-batch training of ``case``: the gradients of the first step and the final parameters."""
-    model = case.model()
-    opt = case.make_optimizer(model.parameters())
-    x, y = case.data()
-    first: list[torch.Tensor] = []
-    for s in range(case.steps):
-        opt.zero_grad(set_to_none=True)
-        for k in range(case.accumulation):
-            (F.mse_loss(model(x[s, k]), y[s, k]) / case.accumulation).backward()
-        if s == 0:
-            first = _grad_copies(model)
-        opt.step()
-    return {"first_grads": first, "params": [p.detach().clone() for p in model.parameters()]}
-
-
-def train_naive_ddp(average_fn: Callable[[nn.Module], None], case: TrainCase) -> dict[str, list[torch.Tensor]]:
-    """In a rank: train ``case`` on this rank's shards, averaging gradients with ``average_fn(model)``.
-
-    Returns the averaged gradients of the first step and the final parameters, as ``train_reference``.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = case.model()
-    opt = case.make_optimizer(model.parameters())
-    x, y = case.data()
-    first: list[torch.Tensor] = []
-    for s in range(case.steps):
-        opt.zero_grad(set_to_none=True)
-        for k in range(case.accumulation):
-            xs, ys = shard_batch((x[s, k], y[s, k]), rank, world)
-            (F.mse_loss(model(xs), ys) / case.accumulation).backward()
-        average_fn(model)
-        if s == 0:
-            first = _grad_copies(model)
-        opt.step()
-    return {"first_grads": first, "params": [p.detach().clone() for p in model.parameters()]}
-
-
-def _count_all_reduces(counts: dict[str, int]) -> Callable[[], None]:
-    """Wrap ``torch.distributed.all_reduce`` to count calls made while ``counts['in_backward']`` is set; return an undo."""
-    original = dist.all_reduce
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        if counts.get("in_backward"):
-            counts["during_backward"] += 1
-            counts["async_during_backward"] += bool(kwargs.get("async_op", False))
-        counts["total"] += 1
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counting
-
-    def undo() -> None:
-        dist.all_reduce = original
-
-    return undo
-
-
-def train_bucketed_ddp(ddp_cls: Callable[..., Any], case: TrainCase, *, distinct_init: bool = False) -> dict[str, Any]:
-    """In a rank: train ``case`` with ``ddp_cls(model, bucket_cap_mb=...)`` and with torch's DDP side by side.
-
-    Micro-batches but the last run inside ``no_sync()``. Returns the parameters of both after
-    training, and how many all-reduces ``ddp_cls`` started during the backward passes (and how
-    many of those with ``async_op=True``). ``distinct_init`` starts each rank from different
-    weights, which the wrapper must replace with rank 0's.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = case.data()
-    model = case.model(seed=case.seed + rank if distinct_init else None)
-    ours = ddp_cls(model, bucket_cap_mb=case.bucket_cap_mb)
-    opt = case.make_optimizer(model.parameters())
-    ref_model = case.model()
-    theirs = nn.parallel.DistributedDataParallel(ref_model, bucket_cap_mb=case.bucket_cap_mb)
-    ref_opt = case.make_optimizer(ref_model.parameters())
-    counts = {"during_backward": 0, "async_during_backward": 0, "total": 0, "in_backward": 0}
-    for s in range(case.steps):
-        runs: list[tuple[Any, torch.optim.Optimizer]] = [(ours, opt), (theirs, ref_opt)]
-        for net, o in runs:
-            o.zero_grad(set_to_none=True)
-            for k in range(case.accumulation):
-                xs, ys = shard_batch((x[s, k], y[s, k]), rank, world)
-                last = k == case.accumulation - 1
-                with contextlib.nullcontext() if last else net.no_sync():
-                    loss = F.mse_loss(net(xs), ys) / case.accumulation
-                    if net is ours:
-                        undo = _count_all_reduces(counts)
-                        counts["in_backward"] = 1
-                        try:
-                            loss.backward()
-                        finally:
-                            counts["in_backward"] = 0
-                            undo()
-                    else:
-                        loss.backward()
-            if net is ours:
-                ours.finish_gradient_sync()
-            o.step()
-    return {
-        "params": [p.detach().clone() for p in model.parameters()],
-        "torch_ddp": [p.detach().clone() for p in ref_model.parameters()],
-        "all_reduces_during_backward": counts["during_backward"],
-        "async_during_backward": counts["async_during_backward"],
-    }
-
-
-def train_zero1(opt_cls: Callable[..., Any], case: TrainCase) -> dict[str, Any]:
-    """In a rank: train ``case`` (Adam) with ``opt_cls(params, world_size, rank, lr=..., weight_decay=...)``, no other sync.
-
-    Returns the final parameters and the bytes of the tensors in the optimizer's ``state``.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = case.model()
-    opt = opt_cls(list(model.parameters()), world, rank, lr=case.lr, weight_decay=case.weight_decay)
-    x, y = case.data()
-    for s in range(case.steps):
-        opt.zero_grad()
-        for k in range(case.accumulation):
-            xs, ys = shard_batch((x[s, k], y[s, k]), rank, world)
-            (F.mse_loss(model(xs), ys) / case.accumulation).backward()
-        opt.step()
-    return {"params": [p.detach().clone() for p in model.parameters()], "state_bytes": state_tensor_bytes(opt.state)}
-
-
-_NOT_DONE = "__not_implemented__"
-
-
-def _run_cases(worker: Callable[..., Any], student: Any, cases: Sequence[TrainCase], kwargs: dict[str, Any]) -> Any:
-    """In a rank: ``[worker(student, case, **kwargs) for case in cases]``, or a marker if the exercise is not done yet."""
-    torch.set_num_threads(1)  # a forked child cannot use the parent's OpenMP pool; one thread avoids it
-    try:
-        return [worker(student, case, **kwargs) for case in cases]
-    except NotImplementedError:
-        return _NOT_DONE
-
-
-def launch_exercise(
-    worker: Callable[..., Any],
-    world_size: int,
-    student: Any,
-    cases: Sequence[TrainCase],
-    *,
-    timeout: float = 60.0,
-    **kwargs: Any,
-) -> list[list[Any]]:
-    """Run ``worker(student, case, **kwargs)`` for every case in ``world_size`` ranks, in one launch.
-
-    Returns, per rank, the list of the worker's results. A ``student`` function or class that
-    still raises NotImplementedError fails with a clear "not implemented yet" (``NotDoneYet``).
-    The ranks use gloo on the CPU, also where there are GPUs: the cases are small CPU models.
-    """
-    import torch._dynamo  # noqa: F401 - torch.optim imports it on first use (seconds): once here, not in every rank
-
-    from course_lib.support.dist import launch
-
-    results = launch(_run_cases, world_size, worker, student, list(cases), kwargs, backend="gloo", timeout=timeout)
-    if any(isinstance(r, str) and r == _NOT_DONE for r in results):
-        raise not_done(student)
-    return results
-
-
-def gradient_scale_hint(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor], world_size: int) -> str:
-    """A hint when ``got`` differs from ``expected`` by a factor of the world size (a missing or extra division)."""
-    diff_sum = sum(float((g - e).abs().sum()) for g, e in zip(got, expected))
-    if diff_sum == 0:
-        return ""
-    for factor, hint in ((world_size, "did you forget to divide by the world size?"),
-                         (1 / world_size, "did you divide by the world size twice?")):
-        if all(torch.allclose(g, e * factor, rtol=1e-6, atol=1e-9) for g, e in zip(got, expected)):
-            return f" (the result is {factor:g} times the expected one: {hint})"
-    return ""
-
-
-# ---- torchrun entry: every algorithm against the single-process run and PyTorch's own ----------
-
-_MODES = ("single", "naive", "bucketed", "torch_ddp", "zero1", "torch_zero")
-
-
-def train_on_device(case: TrainCase, mode: str, device: torch.device) -> tuple[nn.Module, Any]:
-    """Train ``case`` on ``device`` one way (see ``_MODES``); return the model and its optimizer.
-
-    "single" trains on the whole batch in this process, without communication (the reference);
-    "naive", "bucketed" and "torch_ddp" are naive DDP, ``BucketedDDP`` and torch's
-    DistributedDataParallel; "zero1" is ``ZeroStage1Optimizer`` and "torch_zero" torch's DDP with
-    ``ZeroRedundancyOptimizer`` (Adam). Micro-batches but the last run in ``no_sync()``.
-    """
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if mode not in _MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {_MODES}")
-    rank, world = (0, 1) if mode == "single" else (dist.get_rank(), dist.get_world_size())
-    model = case.model().to(device)
-    wrapper: BucketedDDP | nn.parallel.DistributedDataParallel | None = None
-    if mode == "bucketed":
-        wrapper = BucketedDDP(model, bucket_cap_mb=case.bucket_cap_mb)
-    elif mode in ("torch_ddp", "torch_zero"):
-        wrapper = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=case.bucket_cap_mb)
-    net: nn.Module = model if wrapper is None else wrapper
-    if mode == "zero1":
-        opt: Any = ZeroStage1Optimizer(model.parameters(), lr=case.lr, weight_decay=case.weight_decay)
-    elif mode == "torch_zero":
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=case.lr,
-                                      weight_decay=case.weight_decay)
-    else:
-        opt = case.make_optimizer(model.parameters())
-    x, y = (t.to(device) for t in case.data())
-    for s in range(case.steps):
-        opt.zero_grad(set_to_none=True)
-        for k in range(case.accumulation):
-            xs, ys = shard_batch((x[s, k], y[s, k]), rank, world)
-            last = k == case.accumulation - 1
-            with contextlib.nullcontext() if last or wrapper is None else wrapper.no_sync():
-                (F.mse_loss(net(xs), ys) / case.accumulation).backward()
-        if mode == "naive":
-            average_gradients(model)
-        elif isinstance(net, BucketedDDP):  # mode == "bucketed"
-            net.finish_gradient_sync()
-        opt.step()
-    return model, opt
-
-
-def _params(model: nn.Module) -> list[torch.Tensor]:
-    return [p.detach() for p in model.parameters()]
-
-
-def _check_everything(small: bool) -> dict[str, Any]:
-    """In a rank: naive, bucketed and torch DDP, ZeRO-1 and torch's ZeRO against single-process training; then timings."""
-    from course_lib.support.dist import rank_device
-    from course_lib.support.torchrun import report_check
-
-    world, device = dist.get_world_size(), rank_device()
-    sizes = (6, 10, 4) if small else (512, 1024, 1024, 256)
-    common: dict[str, Any] = dict(sizes=sizes, batch=4 * world, steps=3, bucket_cap_mb=1e-4 if small else 1.0)
-    tol = {"rtol": 1e-9, "atol": 1e-11}  # float64: only the order of the additions differs
-    states: dict[str, int] = {}
-    for case in (TrainCase(accumulation=2, **common), TrainCase(optimizer="adam", lr=0.01, seed=1, **common)):
-        label = f"{case.optimizer} MLP{list(sizes)}"
-        reference, reference_opt = train_on_device(case, "single", device)
-        for mode in ("naive", "bucketed", "torch_ddp"):
-            model, _ = train_on_device(case, mode, device)
-            report_check(f"{mode} {label}: params and grads vs single process", model, reference, **tol)
-            if mode == "bucketed":
-                torch_ddp, _ = train_on_device(case, "torch_ddp", device)
-                report_check(f"bucketed {label}: params and grads vs torch DDP", model, torch_ddp, **tol)
-        if case.optimizer == "adam":
-            zero1, opt = train_on_device(case, "zero1", device)
-            torch_zero, torch_opt = train_on_device(case, "torch_zero", device)
-            report_check(f"zero1 {label}: params vs single-process Adam", _params(zero1), _params(reference), **tol)
-            report_check(f"zero1 {label}: params vs torch ZeroRedundancyOptimizer", _params(zero1), _params(torch_zero),
-                         **tol)
-            states = {"zero1": state_tensor_bytes(opt.state), "torch_zero": state_tensor_bytes(torch_opt.optim.state)}
-            states["adam_single_process"] = state_tensor_bytes(reference_opt.state)
-    return {
-        "world_size": world,
-        "backend": dist.get_backend(),
-        "step_ms": _step_times(64 if small else 4096, device),
-        "optimizer_state_bytes_per_rank": states,
-    }
-
-
-def _step_times(width: int, device: torch.device) -> dict[str, float]:
-    """Median ms of forward + backward + gradient sync of a 4-layer fp32 MLP: none, naive, bucketed, torch DDP."""
-    from course_lib.collectives import time_in_ranks
-
-    x = torch.randn(32, width, device=device)
-    out = {}
-    for mode in ("compute_only", "naive", "bucketed", "torch_ddp"):
-        model = MLP([width] * 5, seed=0).to(device)
-        net: nn.Module = model
-        if mode == "bucketed":
-            net = BucketedDDP(model)
-        elif mode == "torch_ddp":
-            net = nn.parallel.DistributedDataParallel(model)
-        step = functools.partial(_sync_step, model, net, mode == "naive")
-        out[mode] = float(np.median(time_in_ranks(step, x, repeat=5, warmup=2))) * 1e3
-    return out
-
-
-def _sync_step(model: nn.Module, net: nn.Module, naive: bool, t: torch.Tensor) -> None:
-    """Forward + backward of ``net`` (``model``, maybe wrapped) on ``t``, then the gradient sync a wrapper leaves to us."""
-    model.zero_grad(set_to_none=True)
-    F.mse_loss(net(t), t).backward()
-    if naive:
-        average_gradients(model)
-    elif isinstance(net, BucketedDDP):
-        net.finish_gradient_sync()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry for ``torchrun --nproc_per_node N -m course_lib.data_parallel [--small]``."""
-    from course_lib.support.torchrun import entry_main
-
-    entry_main(_check_everything, "Check the chapter-12 data-parallel algorithms on N ranks and time them.", argv)
-
-
-if __name__ == "__main__":
-    main()

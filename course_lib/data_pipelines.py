@@ -9,7 +9,9 @@ The pieces of chapter 05:
 - ``CudaPrefetcher``: copies the next batch to the GPU on a side stream while the current one
   computes; on a CPU it is plain iteration plus ``.to(device)``.
 - ``steady_state_step_time``, ``bottleneck``, ``prefetch_buffer_bytes``: the arithmetic.
-- ``Timeline``: records (stage, batch, start, end) spans and draws them as a Gantt chart.
+- ``consume_batches``: the training loop with a simulated step (``fake_step``), recording on a
+  ``course_lib.support.timeline.Timeline`` when each batch was waited for, computed, loaded and
+  preprocessed (``add_sample_times``); ``STAGE_COLORS`` colours its Gantt chart (``plot_gantt``).
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from course_lib.support.timeline import Timeline
 
 __all__ = [
     "MEAN",
@@ -42,9 +44,9 @@ __all__ = [
     "choose_num_workers",
     "prefetch_buffer_bytes",
     "STAGE_COLORS",
-    "Timeline",
+    "add_sample_times",
     "fake_step",
-    "run_pipeline",
+    "consume_batches",
 ]
 
 # Per-channel mean and standard deviation used by ``preprocess`` (uint8 pixel scale 0..1).
@@ -231,16 +233,21 @@ class Prefetcher:
 
 # ---- host-to-device copies on a side stream ------------------------------------------------
 
-def to_device(batch: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
-    """Move every tensor in a (nested tuple / list / dict) batch to ``device``; other values stay."""
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:
+    """``batch`` with ``fn`` applied to every tensor in it (nested tuples, lists and dicts); other values stay."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
+        return fn(batch)
     if isinstance(batch, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+        return {k: _map_tensors(fn, v) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        moved = [to_device(v, device, non_blocking) for v in batch]
+        moved = [_map_tensors(fn, v) for v in batch]
         return type(batch)(moved) if isinstance(batch, list) else tuple(moved)
     return batch
+
+
+def to_device(batch: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
+    """Move every tensor in a (nested tuple / list / dict) batch to ``device``; other values stay."""
+    return _map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
 
 
 def _tensors(batch: Any) -> Iterator[torch.Tensor]:
@@ -255,14 +262,7 @@ def _tensors(batch: Any) -> Iterator[torch.Tensor]:
 
 
 def _pin(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.is_pinned() else batch.pin_memory()
-    if isinstance(batch, dict):
-        return {k: _pin(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        moved = [_pin(v) for v in batch]
-        return moved if isinstance(batch, list) else tuple(moved)
-    return batch
+    return _map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
 
 
 class CudaPrefetcher:
@@ -388,84 +388,27 @@ def prefetch_buffer_bytes(batch_size: int, sample_bytes: int, prefetch_factor: i
     return int(batch_size) * int(sample_bytes) * int(prefetch_factor) * int(num_workers)
 
 
-# ---- timelines ------------------------------------------------------------------------------
+# ---- the training loop, on a timeline ------------------------------------------------------
 
+# The colour of each kind of span in the chapter's Gantt charts (``plot_gantt(..., colors=STAGE_COLORS)``).
 STAGE_COLORS = {"load": "tab:orange", "preprocess": "tab:green", "copy": "tab:purple",
                 "compute": "tab:blue", "wait": "lightgray"}
 
 
-@dataclass
-class Timeline:
-    """Spans ``(lane, stage, batch, start, end)`` in seconds of ``time.perf_counter``, for Gantt charts."""
+def add_sample_times(timeline: Timeline, batch: int, times: torch.Tensor) -> None:
+    """Add the load and preprocess spans of ``batch`` from its ``SyntheticImages(record=True)`` times (B x 4).
 
-    spans: list[tuple[str, str, int, float, float]] = field(default_factory=list)
-
-    def add(self, lane: str, stage: str, batch: int, start: float, end: float) -> None:
-        if end < start:
-            raise ValueError(f"span ends before it starts: {start} > {end}")
-        self.spans.append((lane, stage, int(batch), float(start), float(end)))
-
-    @contextmanager
-    def record(self, lane: str, stage: str, batch: int) -> Iterator[None]:
-        """``with tl.record("accelerator", "compute", i): ...`` adds the span of the block."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(lane, stage, batch, start, time.perf_counter())
-
-    def add_sample_times(self, batch: int, times: torch.Tensor) -> None:
-        """Add the load and preprocess spans of a batch from ``SyntheticImages(record=True)`` times (B x 4)."""
-        times = torch.as_tensor(times, dtype=torch.float64).reshape(-1, 4)
-        for worker in sorted({int(w) for w in times[:, 3].tolist()}):
-            rows = times[times[:, 3] == worker]
-            lane = {-1: "main thread", -2: "prefetch thread"}.get(worker, f"worker {worker}")
-            start, done = rows[:, 0].min().item(), rows[:, 2].max().item()
-            # A batch alternates read/preprocess per sample; draw their sums as two spans in order.
-            read = float((rows[:, 1] - rows[:, 0]).sum())
-            self.add(lane, "load", batch, start, start + read)
-            self.add(lane, "preprocess", batch, start + read, max(done, start + read))
-
-    @property
-    def start(self) -> float:
-        return min((s[3] for s in self.spans), default=0.0)
-
-    @property
-    def end(self) -> float:
-        return max((s[4] for s in self.spans), default=0.0)
-
-    def busy(self, lane: str, stage: str | None = None) -> float:
-        """Total seconds of the spans on ``lane`` (of ``stage`` only, if given)."""
-        return sum(e - s for ln, st, _, s, e in self.spans if ln == lane and (stage is None or st == stage))
-
-    def idle_fraction(self, lane: str, stage: str = "compute") -> float:
-        """Fraction of the timeline's length during which ``lane`` did no ``stage`` work."""
-        total = self.end - self.start
-        return 0.0 if total <= 0 else 1.0 - self.busy(lane, stage) / total
-
-    def plot(self, ax: Any, title: str = "", lanes: list[str] | None = None) -> Any:
-        """Draw the spans as horizontal bars, one row per lane, time in ms from the first span."""
-        t0 = self.start
-        lanes = lanes or sorted({s[0] for s in self.spans}, key=lambda n: (n != "accelerator", n))
-        for row, lane in enumerate(lanes):
-            for ln, stage, batch, s, e in self.spans:
-                if ln != lane:
-                    continue
-                ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3)], (row - 0.4, 0.8),
-                               facecolors=STAGE_COLORS.get(stage, "gray"), edgecolor="white", linewidth=0.5)
-                if stage in ("compute", "load") and (e - s) * 1e3 > 0.04 * (self.end - t0) * 1e3:
-                    ax.text((s + e - 2 * t0) / 2 * 1e3, row, str(batch), ha="center", va="center", fontsize=7)
-        ax.set_yticks(range(len(lanes)), lanes)
-        ax.invert_yaxis()
-        ax.set_xlabel("time (ms)")
-        if title:
-            ax.set_title(title)
-        used = sorted({s[1] for s in self.spans})
-        from matplotlib.patches import Patch
-
-        handles = [Patch(color=STAGE_COLORS.get(s, "gray"), label=s) for s in used]
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
-        return ax
+    One lane per loader: "main thread", "prefetch thread" or "worker k". A batch alternates
+    reading and preprocessing sample by sample; each lane draws their sums as two spans in order.
+    """
+    times = torch.as_tensor(times, dtype=torch.float64).reshape(-1, 4)
+    for worker in sorted({int(w) for w in times[:, 3].tolist()}):
+        rows = times[times[:, 3] == worker]
+        lane = {-1: "main thread", -2: "prefetch thread"}.get(worker, f"worker {worker}")
+        start, done = rows[:, 0].min().item(), rows[:, 2].max().item()
+        read = float((rows[:, 1] - rows[:, 0]).sum())
+        timeline.add(lane, "load", batch, start, start + read)
+        timeline.add(lane, "preprocess", batch, start + read, max(done, start + read))
 
 
 def fake_step(seconds: float) -> None:
@@ -474,14 +417,17 @@ def fake_step(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def run_pipeline(batches: Iterable[Any], compute: Callable[[Any], None], num_batches: int | None = None,
-                 timeline: Timeline | None = None) -> dict[str, float]:
+def consume_batches(batches: Iterable[Any], compute: Callable[[Any], None], num_batches: int | None = None,
+                    timeline: Timeline | None = None) -> dict[str, float]:
     """Consume ``batches``, calling ``compute(batch)`` on each; return per-step ``wait``, ``compute`` and ``step`` seconds.
 
     ``wait`` is the time the consumer spent waiting for the next batch (the accelerator's idle
-    time); the first batch is excluded (it includes start-up). If the batches carry
-    ``SyntheticImages`` times as their last element, and a ``timeline`` is given, their load and
-    preprocess spans are added too.
+    time); the first batch is excluded (it includes start-up). Also returned: ``batches``, how
+    many were consumed, and ``total``, the seconds from the end of the first step to the end.
+    With a ``timeline``, each step adds a "wait" and a "compute" span on the lane "accelerator"
+    (labelled with the batch's index, so that lane comes first); if the batches carry
+    ``SyntheticImages`` times as their last element, their load and preprocess spans are added
+    too (``add_sample_times``).
     """
     waits, computes = [], []
     it = iter(batches)
@@ -500,7 +446,7 @@ def run_pipeline(batches: Iterable[Any], compute: Callable[[Any], None], num_bat
             timeline.add("accelerator", "wait", i, t0, t1)
             timeline.add("accelerator", "compute", i, t1, t2)
             if isinstance(batch, (tuple, list)) and isinstance(batch[-1], torch.Tensor) and batch[-1].dtype == torch.float64:
-                timeline.add_sample_times(i, batch[-1])
+                add_sample_times(timeline, i, batch[-1])
         if i == 0:
             t_first = t2
         else:

@@ -14,15 +14,12 @@ fastest dimension: its ranks are neighbours, so they share a node (NVLink).
     groups = hybrid.new_mesh_groups((2, 2), ("dp", "tp"))   # every rank builds every group
     hybrid.train_dp_tp(case, dp=2, tp=2)                     # one replica per dp rank, split over tp
 
-Run the checks under torchrun (each rank on its own GPU with NCCL when there are enough):
-
-    torchrun --nproc_per_node 4 -m course_lib.hybrid            # dp2 x tp2
-    torchrun --nproc_per_node 2 -m course_lib.hybrid --small    # dp1 x tp2 and dp2 x tp1
+What a run must equal (the block trained in one process, and its shards) is in
+``course_lib.exercises.hybrid``; the torchrun self-check is ``benchmarks.checks.hybrid``.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Sequence
@@ -36,22 +33,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import models
-from course_lib import tensor_parallel as tp_lib
 from course_lib.support.dist import rank_device
-from course_lib.support.torchrun import assert_matches_reference
+from course_lib.tensor_parallel import ParallelBlock
 
 __all__ = [
     "HybridCase",
     "MeshGroups",
     "device_mesh_groups",
-    "main",
     "mesh_coords",
     "mesh_groups",
     "mesh_rank",
     "new_mesh_groups",
-    "reference_shard",
     "train_dp_tp",
-    "train_reference",
 ]
 
 
@@ -157,6 +150,7 @@ class HybridCase:
     seed: int = 0
 
     def config(self) -> models.GPTConfig:
+        """The block's configuration."""
         return models.GPTConfig(d_model=self.d_model, n_head=self.n_head, seq_len=self.seq_len)
 
     def model(self) -> models.Block:
@@ -172,34 +166,6 @@ class HybridCase:
         return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
-def train_reference(case: HybridCase, device: torch.device | str = "cpu") -> models.Block:
-    """Train ``case``'s block in one process on the whole batch; the gradients of the last step stay in ``.grad``.
-
-    Returns the block on the CPU (``device`` is where it trains).
-    """
-    model = case.model().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=case.lr)
-    xs, ys = case.data()
-    for x, y in zip(xs, ys):
-        opt.zero_grad()
-        F.mse_loss(model(x.to(device)), y.to(device)).backward()
-        opt.step()
-    return model.cpu()
-
-
-def reference_shard(reference: models.Block, tp_rank: int, tp: int) -> tp_lib.ParallelBlock:
-    """The tensor-parallel shard of a trained single-process block, with the matching slices of its gradients."""
-    shard = tp_lib.ParallelBlock.from_module(reference, tp_rank, tp)
-    grads = copy.deepcopy(reference)
-    with torch.no_grad():
-        for p, original in zip(grads.parameters(), reference.parameters()):
-            assert original.grad is not None, "the reference block has been trained: every parameter has a gradient"
-            p.copy_(original.grad)
-    for p, g in zip(shard.parameters(), tp_lib.ParallelBlock.from_module(grads, tp_rank, tp).parameters()):
-        p.grad = g.detach().clone()
-    return shard
-
-
 def train_dp_tp(case: HybridCase, dp: int, tp: int, *, mesh: MeshGroups | None = None) -> dict[str, Any]:
     """Inside ``dp * tp`` ranks: train ``case`` with tensor parallelism inside each replica, data parallelism across.
 
@@ -213,7 +179,7 @@ def train_dp_tp(case: HybridCase, dp: int, tp: int, *, mesh: MeshGroups | None =
     dev = rank_device()
     if case.global_batch % dp:
         raise ValueError(f"global_batch={case.global_batch} does not split over dp={dp}")
-    model = tp_lib.ParallelBlock.from_module(case.model(), t, tp, group=mesh.groups["tp"]).to(dev)
+    model = ParallelBlock.from_module(case.model(), t, tp, group=mesh.groups["tp"]).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=case.lr)
     xs, ys = case.data()
     per = case.global_batch // dp
@@ -233,56 +199,3 @@ def train_dp_tp(case: HybridCase, dp: int, tp: int, *, mesh: MeshGroups | None =
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return {"model": model.cpu(), "step_s": float(np.median(times)), "coords": (d, t)}
-
-
-# ---- torchrun entry ----------------------------------------------------------------------------
-
-
-def _layouts(world: int) -> list[tuple[int, int]]:
-    """The (dp, tp) layouts the script checks: dp1 x tp2 and dp2 x tp1 on 2 ranks, dp(n/2) x tp2 on n >= 4."""
-    if world == 2:
-        return [(1, 2), (2, 1)]
-    return [(world // 2, 2)] if world % 2 == 0 else [(world, 1)]
-
-
-def _script(small: bool) -> dict[str, Any]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    case = HybridCase() if small else HybridCase(d_model=512, n_head=8, seq_len=256, global_batch=8 * world, steps=5)
-    result: dict[str, Any] = {"world_size": world, "backend": dist.get_backend(), "layouts": {}}
-    ref = train_reference(case, rank_device())
-    for dp, tp in _layouts(world):
-        if case.global_batch % dp or case.n_head % tp:
-            continue
-        mesh = new_mesh_groups((dp, tp), ("dp", "tp"))
-        names = ("dp", "tp")
-        theirs = device_mesh_groups((dp, tp), names)
-        for name in names:
-            if theirs[name] != mesh.ranks[name]:
-                raise AssertionError(f"{name} group of rank {rank}: ours {mesh.ranks[name]}, init_device_mesh {theirs[name]}")
-        out = train_dp_tp(case, dp, tp, mesh=mesh)
-        want = reference_shard(ref, mesh.coords["tp"], tp)
-        assert_matches_reference(out["model"], want, name=f"dp{dp}xtp{tp}", rtol=1e-4, atol=1e-5)
-        err = max(
-            max(float((a.detach() - b.detach()).abs().max()), float((a.grad - b.grad).abs().max()))
-            for a, b in zip(out["model"].parameters(), want.parameters())
-        )
-        errs: list[float] = [0.0] * world  # all_gather_object fills in every rank's value
-        dist.all_gather_object(errs, err)
-        times: list[float] = [0.0] * world
-        dist.all_gather_object(times, out["step_s"])
-        if rank == 0:
-            print(f"CHECK mesh_dp{dp}xtp{tp} ok max_abs_err=0")
-            print(f"CHECK dp{dp}xtp{tp}_vs_single_process ok max_abs_err={max(errs):.3g}")
-        result["layouts"][f"dp{dp}xtp{tp}"] = {"step_s": max(times), "max_abs_err": max(errs)}
-    return result
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``torchrun --nproc_per_node N -m course_lib.hybrid [--small]``: check each DP x TP layout, print RESULT json."""
-    from course_lib.support.torchrun import entry_main
-
-    entry_main(_script, "Check each DP x TP layout of N ranks against one process.", argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -43,7 +43,6 @@ __all__ = [
     "measure_saved_activation_bytes",
     "SavedBytesTracker",
     "forward_hook_activation_bytes",
-    "optimizer_state_bytes",
     "measured_training_memory",
     "cuda_forward_memory",
     "storage_key",  # from course_lib.support.sizes: the identity this chapter counts storages by
@@ -341,24 +340,13 @@ class SavedBytesTracker:
         self._hooks.__exit__(exc_type, exc, tb)
 
 
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors_in(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors_in(item)
-
-
 def forward_hook_activation_bytes(model: nn.Module, *inputs: Any) -> int:
-    """Rough activation count: bytes of every tensor that a leaf module returns, summed without de-duplication."""
+    """Rough activation count: bytes of what each leaf module returns, summed over the modules without de-duplication."""
     total = 0
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         nonlocal total
-        total += sum(t.numel() * t.element_size() for t in _tensors_in(output))
+        total += tensor_bytes(output)
 
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
     handles = [m.register_forward_hook(hook) for m in leaves]
@@ -371,18 +359,13 @@ def forward_hook_activation_bytes(model: nn.Module, *inputs: Any) -> int:
     return total
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the distinct tensors an optimizer keeps in its state (empty until its first step)."""
-    return tensor_bytes(list(optimizer.state.values()))
-
-
 def measured_training_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryBreakdown:
     """Bytes that ``model``'s parameters, their ``.grad`` tensors and ``optimizer``'s state occupy right now."""
     params = list(model.parameters())
     return MemoryBreakdown(
         params=tensor_bytes(params),
         grads=tensor_bytes([p.grad for p in params]),
-        optimizer=0 if optimizer is None else optimizer_state_bytes(optimizer),
+        optimizer=0 if optimizer is None else tensor_bytes(optimizer.state),
     )
 
 

@@ -369,15 +369,9 @@ def mixed_precision_bytes(num_params: float, optimizer: str = "adam", fp32_grads
     """Bytes of weights, gradients and optimizer state for mixed-precision training of ``num_params`` parameters.
 
     16-bit weights (2 bytes), 16-bit gradients (2, or 4 with ``fp32_grads``), and in the optimizer
-    an fp32 master weight (4) plus 4 bytes per optimizer state (``memory_math.OPTIMIZER_STATES``).
+    an fp32 master weight (4) plus 4 bytes per optimizer state (``memory_math.OPTIMIZER_STATES``):
+    chapter 02's mixed-precision regime (``memory_math.bytes_per_param``) for ``num_params``.
+    ValueError for an unknown optimizer or a negative count.
     """
-    if optimizer not in mm.OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {sorted(mm.OPTIMIZER_STATES)}")
-    if num_params < 0:
-        raise ValueError(f"num_params must be >= 0, got {num_params}")
-    states = mm.OPTIMIZER_STATES[optimizer]
-    return mm.MemoryBreakdown(
-        params=2 * num_params,
-        grads=(4 if fp32_grads else 2) * num_params,
-        optimizer=(4 + 4 * states) * num_params,
-    )
+    regime = mm.Regime(f"mixed_{optimizer}", optimizer, mixed_precision=True, fp32_grads=fp32_grads)
+    return mm.training_memory(num_params, regime)

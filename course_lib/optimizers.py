@@ -3,7 +3,8 @@
 Every update is a step function ``step(p, grad, state, **hyper)`` that changes the tensor ``p``
 in place and keeps its per-parameter state in the dict ``state``, under the names torch.optim
 uses ("momentum_buffer", "square_avg", "exp_avg", ...). ``StepOptimizer`` turns any such function
-into a ``torch.optim.Optimizer``; ``check_against_torch`` runs one next to its torch.optim twin.
+into a ``torch.optim.Optimizer`` (``course_lib.exercises.optimizers.check_against_torch`` runs one
+next to its torch.optim twin).
 
     model = models.MLP([16, 64, 1], seed=0)
     optimizer = opt.StepOptimizer(model.parameters(), opt.adam_step, lr=1e-3)
@@ -21,8 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from course_lib.exercises.checks import NotDoneYet, assert_close, call
-
 __all__ = [
     "StepFn",
     "sgd_step",
@@ -30,11 +29,9 @@ __all__ = [
     "adam_step",
     "adamw_step",
     "StepOptimizer",
-    "check_against_torch",
     "STATE_LAYOUT",
     "STEP_BYTES",
     "optimizer_state_bytes",
-    "state_dict_bytes",
     "state_summary",
     "Op",
     "ADAM_FOR_LOOP",
@@ -175,18 +172,9 @@ def adam_step(
     p.addcdiv_(exp_avg, denom, value=-step_size)
 
 
-def adamw_step(
-    p: torch.Tensor,
-    grad: torch.Tensor,
-    state: dict,
-    *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-) -> None:
-    """One step of ``torch.optim.AdamW`` on ``p``: Adam with decoupled weight decay (default 0.01, as torch)."""
-    adam_step(p, grad, state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled_weight_decay=True)
+def adamw_step(p: torch.Tensor, grad: torch.Tensor, state: dict, *, weight_decay: float = 1e-2, **hyper: Any) -> None:
+    """One step of ``torch.optim.AdamW`` on ``p``: ``adam_step`` with decoupled weight decay (default 0.01, as torch)."""
+    adam_step(p, grad, state, weight_decay=weight_decay, decoupled_weight_decay=True, **hyper)
 
 
 class StepOptimizer(torch.optim.Optimizer):
@@ -216,128 +204,6 @@ class StepOptimizer(torch.optim.Optimizer):
         return loss
 
 
-# ---- checking a step function against torch.optim -------------------------------------------
-
-def _compare(name: str, actual: Any, expected: torch.Tensor, atol: float, rtol: float) -> None:
-    if not isinstance(actual, torch.Tensor):
-        raise AssertionError(f"{name}: expected a tensor, got {type(actual).__name__}")
-    assert_close(actual, expected, atol=atol, rtol=rtol, name=name)
-
-
-def check_against_torch(
-    step_fn: StepFn,
-    torch_cls: type[torch.optim.Optimizer],
-    *,
-    steps: int = 20,
-    seed: int = 0,
-    shapes: Sequence[tuple[int, ...]] = ((4, 3), (5,), (2, 3, 2)),
-    dtype: torch.dtype = torch.float32,
-    grad_scale: float = 1.0,
-    model: nn.Module | None = None,
-    state_keys: Sequence[str] = (),
-    step_only: dict[str, Any] | None = None,
-    atol: float = 1e-6,
-    rtol: float = 1e-5,
-    hint: str = "",
-    **hyper: Any,
-) -> None:
-    """Run ``step_fn`` and ``torch_cls(**hyper)`` side by side for ``steps`` steps; raise AssertionError at the first difference.
-
-    Without ``model``, the parameters are random tensors of ``shapes`` and the gradients random
-    (times ``grad_scale``) and fresh at every step; with ``model`` (a module taking (batch, in)
-    inputs), the gradients are those of a mean squared error on a fixed random batch, so each
-    step depends on the previous one as in training. After every step each parameter is compared;
-    after the last, the state tensors named in ``state_keys``. ``step_only`` are keyword arguments
-    passed to ``step_fn`` but not to ``torch_cls`` (such as ``decoupled_weight_decay``).
-    The student's function is called through ``testing.call``; ``hint`` is appended to a failure's message.
-    """
-    try:
-        _run_side_by_side(step_fn, torch_cls, steps, seed, shapes, dtype, grad_scale, model, state_keys,
-                          step_only or {}, atol, rtol, hyper)
-    except NotDoneYet:
-        raise
-    except AssertionError as exc:
-        if not hint:
-            raise
-        raise AssertionError(f"{exc}\nhint: {hint}") from None
-
-
-def _mse_grads(model: nn.Module, params: Sequence[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Gradients of mean((model(x) - y)^2) with respect to ``params``, used in place of the model's own parameters."""
-    leaves = [p.detach().clone().requires_grad_(True) for p in params]
-    names = [name for name, _ in model.named_parameters()]
-    with torch.enable_grad():
-        out = torch.func.functional_call(model, dict(zip(names, leaves)), (x,))
-        return torch.autograd.grad(((out - y) ** 2).mean(), leaves)
-
-
-def _run_side_by_side(
-    step_fn: StepFn,
-    torch_cls: type[torch.optim.Optimizer],
-    steps: int,
-    seed: int,
-    shapes: Sequence[tuple[int, ...]],
-    dtype: torch.dtype,
-    grad_scale: float,
-    model: nn.Module | None,
-    state_keys: Sequence[str],
-    step_only: dict[str, Any],
-    atol: float,
-    rtol: float,
-    hyper: dict[str, Any],
-) -> None:
-    label = (f"{getattr(step_fn, '__name__', 'step_fn')}({_kwargs({**hyper, **step_only})}) "
-             f"vs torch.optim.{torch_cls.__name__}({_kwargs(hyper)})")
-    gen = torch.Generator().manual_seed(seed)
-    if model is not None:
-        ref_params = [p.detach().clone().to(dtype).requires_grad_(True) for p in model.parameters()]
-        x = torch.randn(8, ref_params[0].shape[-1], generator=gen, dtype=dtype)
-        with torch.no_grad():
-            out_shape = torch.func.functional_call(
-                model, dict(zip([n for n, _ in model.named_parameters()], ref_params)), (x,)).shape
-        y = torch.randn(out_shape, generator=gen, dtype=dtype)
-    else:
-        ref_params = [torch.randn(s, generator=gen, dtype=dtype).requires_grad_(True) for s in shapes]
-    mine = [p.detach().clone() for p in ref_params]
-    states: list[dict] = [{} for _ in mine]
-    reference = torch_cls(ref_params, **hyper)
-    grads: Sequence[torch.Tensor]
-    my_grads: Sequence[torch.Tensor]
-    for step in range(1, steps + 1):
-        if model is not None:  # each side's gradient at its own parameters
-            grads, my_grads = _mse_grads(model, ref_params, x, y), _mse_grads(model, mine, x, y)
-        else:
-            grads = [torch.randn(p.shape, generator=gen, dtype=dtype) * grad_scale for p in ref_params]
-            my_grads = [g.clone() for g in grads]
-        for p, g in zip(ref_params, grads):
-            p.grad = g.clone()
-        reference.step()
-        for i, (p, g) in enumerate(zip(mine, my_grads)):
-            before, g_before = p.clone(), g.clone()
-            returned = call(step_fn, p, g, states[i], **hyper, **step_only)
-            if not torch.equal(g, g_before):
-                raise AssertionError(f"{label}: step {step} changed `grad` in place; leave the gradient as it is "
-                                     "(use out-of-place ops such as grad.add(...) or grad + ...)")
-            if torch.equal(p, before) and not torch.equal(ref_params[i].detach(), before):
-                why = ""
-                if isinstance(returned, torch.Tensor):
-                    why = " (it returned a tensor: update `p` in place instead, e.g. p.add_(...))"
-                raise AssertionError(f"{label}: step {step} left parameter {i} unchanged{why}")
-            _compare(f"{label}: parameter {i} of shape {tuple(p.shape)} after step {step}",
-                     p, ref_params[i].detach(), atol, rtol)
-    for i, p in enumerate(ref_params):
-        for key in state_keys:
-            if key not in states[i]:
-                raise AssertionError(f"{label}: state of parameter {i} has no key {key!r} after {steps} steps "
-                                     f"(it has {sorted(states[i])}); torch.optim names it {key!r}")
-            _compare(f"{label}: state[{key!r}] of parameter {i} after {steps} steps",
-                     states[i][key], reference.state[p][key], atol, rtol)
-
-
-def _kwargs(hyper: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in hyper.items())
-
-
 # ---- memory of the optimizer state ----------------------------------------------------------
 
 # Per trainable parameter tensor: how many param-sized state tensors torch.optim keeps, and
@@ -364,16 +230,6 @@ def optimizer_state_bytes(model: nn.Module, name: str) -> int:
     copies, has_step = STATE_LAYOUT[name]
     trainable = [p for p in model.parameters() if p.requires_grad]
     return sum(copies * p.numel() * p.element_size() + (STEP_BYTES if has_step else 0) for p in trainable)
-
-
-def state_dict_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of all tensors in ``optimizer.state_dict()["state"]``: what the optimizer really stores."""
-    total = 0
-    for per_param in optimizer.state_dict()["state"].values():
-        for value in per_param.values():
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-    return total
 
 
 def state_summary(optimizer: torch.optim.Optimizer) -> dict[str, tuple[str, int]]:

@@ -6,6 +6,7 @@ course quotes, so that later chapters reason from the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -53,17 +54,7 @@ H100_SXM = GPUSpec(
 )
 
 # NVIDIA H200 datasheet: the same Hopper chip as the H100 SXM with 141 GB of HBM3e at 4.8 TB/s.
-H200_SXM = GPUSpec(
-    name="H200 SXM",
-    sms=132,
-    hbm_bytes=141e9,
-    hbm_bytes_per_s=4.8e12,
-    bf16_dense_flops=989e12,
-    fp32_flops=67e12,
-    l2_bytes=50 * 2**20,
-    smem_per_sm_bytes=228 * 2**10,
-    registers_per_sm_bytes=256 * 2**10,
-)
+H200_SXM = dataclasses.replace(H100_SXM, name="H200 SXM", hbm_bytes=141e9, hbm_bytes_per_s=4.8e12)
 
 
 def device_report() -> dict[str, Any]:

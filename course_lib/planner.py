@@ -112,6 +112,7 @@ class ClusterSpec:
 
     @property
     def num_gpus(self) -> int:
+        """GPUs in the cluster."""
         return self.gpus_per_node * self.nodes
 
 
@@ -145,6 +146,7 @@ class ParallelConfig:
 
     @property
     def num_gpus(self) -> int:
+        """GPUs the layout uses: dp x tp x pp x cp."""
         return self.dp * self.tp * self.pp * self.cp
 
     def micro_batches(self, model: ModelSpec) -> int:
@@ -152,6 +154,7 @@ class ParallelConfig:
         return model.global_batch // (self.dp * self.micro_batch)
 
     def short(self) -> str:
+        """The layout in one line, e.g. 'dp2 tp4 pp1 cp1 zero1 mb1'."""
         ck = "+ckpt" if self.checkpointing else ""
         return f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} zero{self.zero}{ck} mb{self.micro_batch}"
 
@@ -214,6 +217,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
+        """Bytes of model states and activations together."""
         return self.states.total + self.activations
 
 
@@ -305,6 +309,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
+        """Seconds of the step: compute, bubble and every kind of communication."""
         return self.compute + self.bubble + sum(self.comm.values())
 
     @property

@@ -19,21 +19,13 @@ single-device module (``from_linear`` / ``from_module``), so a test can run both
 
 Construction needs no process group (rank and world size are arguments); ``forward`` does.
 Everything takes an optional ``group`` (default: the whole world) for use with device meshes.
-
-On several GPUs (or gloo CPU ranks with ``--small``) the module checks every parallel layer,
-forward and backward, against the single-device module, and counts and times a block:
-
-    torchrun --nproc_per_node 4 -m course_lib.tensor_parallel [--small]
+The torchrun self-check of every layer, forward and backward, on GPUs or gloo CPU ranks, is
+``benchmarks.checks.tensor_parallel``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import statistics
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast, overload
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -41,13 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import models
-from course_lib.exercises.checks import NotDoneYet
-
-T = TypeVar("T")
-M = TypeVar("M", bound=nn.Module)
 
 __all__ = [
-    "CommLog",
     "ColumnParallelLinear",
     "CopyToParallelRegion",
     "GatherFromParallelRegion",
@@ -60,18 +47,13 @@ __all__ = [
     "VocabParallelEmbedding",
     "all_reduce_wire_bytes",
     "copy_to_parallel_region",
-    "count_collectives",
     "gather_from_parallel_region",
-    "launch_checked",
     "reduce_from_parallel_region",
     "regroup_qkv_for_sharding",
     "scatter_to_parallel_region",
     "shard_range",
     "tp_comm_bytes_per_layer",
     "vocab_parallel_cross_entropy",
-    "warm_up_autograd",
-    "check_sharded",
-    "main",
 ]
 
 
@@ -463,7 +445,7 @@ def vocab_parallel_cross_entropy(
 
 
 # --------------------------------------------------------------------------------------------
-# Communication volume: the formula and a counter
+# Communication volume
 # --------------------------------------------------------------------------------------------
 
 
@@ -485,117 +467,6 @@ def tp_comm_bytes_per_layer(b: int, s: int, h: int, dtype: torch.dtype = torch.f
 def all_reduce_wire_bytes(payload_bytes: float, world_size: int) -> float:
     """Bytes each rank sends (and receives) in a ring all-reduce of ``payload_bytes``: 2 (n-1)/n of it."""
     return 2 * (world_size - 1) / world_size * payload_bytes
-
-
-@dataclass
-class CommLog:
-    """What ``count_collectives`` saw: one (operation, bytes) entry per collective call, in order."""
-
-    calls: list[tuple[str, int]] = field(default_factory=list)
-
-    def count(self, op: str | None = None) -> int:
-        """Number of calls (of ``op`` only, if given)."""
-        return sum(1 for name, _ in self.calls if op is None or name == op)
-
-    def bytes(self, op: str | None = None) -> int:
-        """Total payload bytes (of ``op`` only, if given)."""
-        return sum(n for name, n in self.calls if op is None or name == op)
-
-    def clear(self) -> None:
-        """Forget what was recorded so far."""
-        self.calls.clear()
-
-
-_COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
-
-
-@contextlib.contextmanager
-def count_collectives() -> Iterator[CommLog]:
-    """Record every ``torch.distributed`` collective called inside (payload bytes of this rank's tensor).
-
-    It wraps the functions of the ``torch.distributed`` module, so it sees code that calls
-    ``dist.all_reduce(...)`` and friends; DTensor goes through other paths (use
-    ``torch.distributed.tensor.debug.CommDebugMode`` there).
-    """
-    log = CommLog()
-    originals = {name: getattr(dist, name) for name in _COUNTED}
-
-    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            at = 1 if name in ("all_gather", "all_gather_into_tensor", "reduce_scatter_tensor") else 0
-            tensor = args[at] if len(args) > at else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-            log.calls.append((name, tensor.numel() * tensor.element_size()))
-            return fn(*args, **kwargs)
-
-        return counted
-
-    try:
-        for name, fn in originals.items():
-            setattr(dist, name, wrap(name, fn))
-        yield log
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
-# --------------------------------------------------------------------------------------------
-# Running checks in ranks
-# --------------------------------------------------------------------------------------------
-
-
-def warm_up_autograd() -> None:
-    """Run one tiny backward with an explicit gradient here, so that forked ranks do not each pay its first-call imports.
-
-    (torch imports a few hundred modules, about half a second, on the first such backward of a
-    process; ranks forked before that happens all repeat it.)
-    """
-    x = torch.zeros(2, requires_grad=True)
-    (x * 1.0).backward(torch.ones(2))
-
-
-class _Checked:
-    """Runs ``fn`` in a rank and turns a failed check into a value, so the caller can re-raise it plainly."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from course_lib.exercises.checks import recording
-
-        with recording() as records:
-            try:
-                return ("ok", self.fn(*args, **kwargs), records)
-            except NotImplementedError as exc:
-                return ("todo", str(exc), records)
-            except AssertionError as exc:
-                return ("fail", f"{type(exc).__name__}: {exc}" if isinstance(exc, NotDoneYet) else str(exc), records)
-
-
-def launch_checked(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0, **kwargs: Any) -> list[Any]:
-    """``dist.launch`` for tests: a rank's failed assertion is raised here as an AssertionError naming the rank.
-
-    A rank that hits an unfinished exercise (``NotImplementedError``, or ``testing.call``'s
-    NotDoneYet) makes this raise ``NotDoneYet``; other exceptions come back as ``RankError``.
-    Under the grader the ranks run in the student's kernel, and then once more in the grader's
-    own process with the course's reference in place of the student's code: every value a check
-    in the ranks compared must equal the reference run's (``testing.reference_run``).
-    """
-    from course_lib.exercises.checks import compare_recordings, reference_run
-    from course_lib.support.dist import launch
-
-    warm_up_autograd()
-    results = launch(_Checked(fn), world_size, *args, timeout=timeout, **kwargs)
-    for rank, (status, value, _) in enumerate(results):
-        if status == "todo" or (status == "fail" and value.startswith("NotDoneYet: ")):
-            message = value.removeprefix("NotDoneYet: ") or "not implemented yet"
-            raise NotDoneYet(f"{message} (raised in rank {rank})")
-    for rank, (status, value, _) in enumerate(results):
-        if status == "fail":
-            raise AssertionError(f"rank {rank} of {world_size}: {value}")
-    reference = reference_run(_Checked(fn), world_size, *args, timeout=timeout, **kwargs)
-    for rank, ((_, _, got), (_, _, want)) in enumerate(zip(results, reference or [])):
-        compare_recordings(got, want, f"rank {rank} of {world_size}")
-    return [value for _, value, _ in results]
 
 
 # --------------------------------------------------------------------------------------------
@@ -627,102 +498,3 @@ def regroup_qkv_for_sharding(attn: models.CausalSelfAttention, world_size: int) 
         if attn.qkv.bias is not None:
             attn.qkv.bias.copy_(torch.cat(pieces_b))
     return attn
-
-
-# --------------------------------------------------------------------------------------------
-# torchrun entry: every parallel layer against the single-device module, forward and backward
-# --------------------------------------------------------------------------------------------
-
-
-def _grads_as_module(module: M) -> M:
-    """A copy of ``module`` whose parameters hold ``module``'s gradients (shard it to get the expected shard gradients)."""
-    grads = copy.deepcopy(module)
-    with torch.no_grad():
-        for g, p in zip(grads.parameters(), module.parameters()):
-            assert p.grad is not None, "every parameter has a gradient after the backward pass"
-            g.copy_(p.grad)
-    return grads
-
-
-def check_sharded(name: str, module: M, shard_fn: Callable[[M], nn.Module], x: torch.Tensor) -> None:
-    """In a rank: ``shard_fn(module)`` against ``module``: output, input gradient, and the shard's parameters and gradients.
-
-    Both run forward and backward with the same random upstream gradient. The expected shard
-    gradients are ``shard_fn`` applied to a copy of ``module`` that holds its gradients.
-    """
-    from course_lib.support.torchrun import report_check
-
-    reference = copy.deepcopy(module)
-    shard = shard_fn(reference)
-    x_ref, x_par = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    y_ref = reference(x_ref)
-    dy = torch.randn(y_ref.shape, dtype=y_ref.dtype, generator=torch.Generator().manual_seed(1)).to(y_ref.device)
-    y_ref.backward(dy)
-    y = shard(x_par)
-    y.backward(dy)
-    expected = shard_fn(reference)
-    for p, g in zip(expected.parameters(), shard_fn(_grads_as_module(reference)).parameters()):
-        p.grad = g.detach()
-    tol = {"rtol": 1e-9, "atol": 1e-11}  # float64: only the order of the additions differs
-    report_check(f"{name}: forward", y, y_ref, **tol)
-    report_check(f"{name}: input gradient", x_par.grad, x_ref.grad, **tol)
-    report_check(f"{name}: shard parameters and gradients", shard, expected, **tol)
-
-
-def _check_everything(small: bool) -> dict[str, Any]:
-    """In a rank: column/row-parallel linear, MLP, attention and block against the single-device modules; then bytes and times."""
-    from course_lib.support.dist import rank_device
-
-    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
-    cfg = models.GPTConfig(d_model=32, n_head=8, seq_len=8) if small else models.GPTConfig(d_model=1024, n_head=16, seq_len=256)
-    b, s, h = (2 if small else 4), cfg.seq_len, cfg.d_model
-    block = cast(models.Block, models.GPT(cfg, seed=0).blocks[0]).to(device, torch.float64)  # ModuleList: untyped items
-    x = torch.randn(b, s, h, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
-    x_wide = torch.randn(b, s, cfg.d_ff, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(device)
-    check_sharded("ColumnParallelLinear (gather_output)", block.mlp.fc,
-                  lambda m: ColumnParallelLinear.from_linear(m, rank, world, gather_output=True), x)
-    check_sharded("RowParallelLinear (full input)", block.mlp.proj,
-                  lambda m: RowParallelLinear.from_linear(m, rank, world, input_is_parallel=False), x_wide)
-    check_sharded("ParallelMLP", block.mlp, lambda m: ParallelMLP.from_module(m, rank, world), x)
-    check_sharded("ParallelAttention", block.attn, lambda m: ParallelAttention.from_module(m, rank, world), x)
-    check_sharded("ParallelBlock", block, lambda m: ParallelBlock.from_module(m, rank, world), x)
-    return {"world_size": world, "backend": dist.get_backend(), **_block_measurements(block.float(), x.float())}
-
-
-def _block_measurements(block: models.Block, x: torch.Tensor) -> dict[str, Any]:
-    """In a rank: all-reduce calls and bytes of one block's forward and backward (against the formula), and fp32 times."""
-    from course_lib.collectives import time_in_ranks
-
-    b, s, h = x.shape
-    shard = ParallelBlock.from_module(block)
-    x_par = x.clone().requires_grad_(True)
-    with count_collectives() as fwd:
-        y = shard(x_par)
-    with count_collectives() as bwd:
-        y.sum().backward()
-
-    def fwd_bwd(module: nn.Module) -> Callable[[torch.Tensor], None]:
-        return lambda t: module(t.requires_grad_(True)).sum().backward()
-
-    times = {name: statistics.median(time_in_ranks(fwd_bwd(m), x.clone(), repeat=5, warmup=2)) * 1e3
-             for name, m in (("single_device", block), ("tensor_parallel", shard))}
-    return {
-        "block": {"b": b, "s": s, "h": h, "dtype": "float32"},
-        "forward_all_reduces": fwd.count("all_reduce"),
-        "forward_bytes": fwd.bytes(),
-        "backward_all_reduces": bwd.count("all_reduce"),
-        "backward_bytes": bwd.bytes(),
-        "formula_bytes": tp_comm_bytes_per_layer(b, s, h, x.dtype),
-        "fwd_bwd_ms": times,
-    }
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry for ``torchrun --nproc_per_node N -m course_lib.tensor_parallel [--small]`` (N must divide the head count)."""
-    from course_lib.support.torchrun import entry_main
-
-    entry_main(_check_everything, "Check the chapter-13 tensor-parallel layers on N ranks.", argv)
-
-
-if __name__ == "__main__":
-    main()

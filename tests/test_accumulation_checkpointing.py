@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from course_lib import accumulation_checkpointing as ac
+from course_lib import memory_math as mm
 from course_lib.models import MLP
 
 
@@ -93,8 +94,8 @@ def test_checkpointed_sequential_matches(segments):
 def test_checkpointing_saves_less():
     layers = list(MLP([32] * 9, activation=nn.GELU, seed=0))
     x = torch.randn(16, 32, requires_grad=True)
-    plain = ac.saved_bytes(lambda t: ac.plain_sequential(layers, t), x)
-    ck = ac.saved_bytes(lambda t: ac.checkpointed_sequential(layers, 3, t), x)
+    plain = mm.measure_saved_activation_bytes(lambda t: ac.plain_sequential(layers, t), x)
+    ck = mm.measure_saved_activation_bytes(lambda t: ac.checkpointed_sequential(layers, 3, t), x)
     assert ck == 3 * x.numel() * 4
     assert ck < plain
 
@@ -109,7 +110,7 @@ def test_plain_peak_is_every_layers_saved_bytes():
     x = torch.randn(8, 32, requires_grad=True)
     peak = ac.peak_saved_bytes(lambda t: ac.plain_sequential(layers, t), x)
     # each layer keeps its Linear's input and its GELU's input, 8 x 32 float32 each; no weights
-    assert peak == ac.saved_bytes(lambda t: ac.plain_sequential(layers, t), x) == 6 * 2 * 8 * 32 * 4
+    assert peak == mm.measure_saved_activation_bytes(lambda t: ac.plain_sequential(layers, t), x) == 6 * 2 * 8 * 32 * 4
 
 
 @pytest.mark.parametrize(("n_layers", "segments"), [(16, 4), (16, 1), (16, 16), (10, 3), (9, 2)])
@@ -117,9 +118,9 @@ def test_checkpointed_peak_counts_the_recomputation_and_follows_the_model(n_laye
     layers = _gelu_chain(n_layers, 32)
     x = torch.randn(8, 32, requires_grad=True)
     input_bytes = x.numel() * 4
-    layer_bytes = ac.saved_bytes(lambda t: ac.plain_sequential(layers, t), x) / n_layers
+    layer_bytes = mm.measure_saved_activation_bytes(lambda t: ac.plain_sequential(layers, t), x) / n_layers
     measured = ac.peak_saved_bytes(lambda t: ac.checkpointed_sequential(layers, segments, t), x)
-    kept_after_forward = ac.saved_bytes(lambda t: ac.checkpointed_sequential(layers, segments, t), x)
+    kept_after_forward = mm.measure_saved_activation_bytes(lambda t: ac.checkpointed_sequential(layers, segments, t), x)
     model = ac.peak_activation_model(n_layers, layer_bytes, input_bytes, segments)
     longest = max(e - s for s, e in ac.segment_bounds(n_layers, segments))
     # the recomputed segment is counted: the longest one is live at once, above what the forward keeps
@@ -165,10 +166,12 @@ def test_fit_plan():
         ac.fit_plan(16, 4, 1, 8, 1)
 
 
-def test_micro_batch_saved_bytes_scales():
+def test_saved_bytes_of_a_micro_batch_follow_its_size():
     model = MLP([8, 32, 4], seed=0)
     x = torch.randn(16, 8)
-    assert ac.micro_batch_saved_bytes(model, x, 4) * 4 == ac.micro_batch_saved_bytes(model, x, 1)
+    (quarter,) = ac.split_micro_batches((x,), 4)[0]
+    # a copy, so that the count holds the micro-batch and not the whole batch its slice views
+    assert mm.measure_saved_activation_bytes(model, quarter.clone()) * 4 == mm.measure_saved_activation_bytes(model, x)
 
 
 def test_sum_reduction():

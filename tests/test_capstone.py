@@ -3,6 +3,8 @@
 import json
 import math
 
+import torch
+
 from course_lib import capstone, models
 
 
@@ -12,6 +14,11 @@ def test_flops_per_step_is_six_n_plus_attention():
     tokens = 4 * cfg.seq_len
     want = 6 * matmul_params * tokens + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len * tokens
     assert math.isclose(capstone.flops_per_step(cfg, 4), want, rel_tol=1e-12)
+
+
+def test_device_peak_flops_on_a_cpu_is_measured():
+    rate, source = capstone.device_peak_flops(torch.device("cpu"))
+    assert rate > 0 and "CPU" in source
 
 
 def test_tiny_run_learns_and_reports():

@@ -2,36 +2,29 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from course_lib import context_parallel as cp
-from course_lib import tensor_parallel as tp
 from course_lib.attention import attention_lse, naive_attention
 from course_lib.exercises.checks import assert_close
+from course_lib.exercises.context_parallel import random_qkv
+from course_lib.exercises.ranks import warm_up_autograd
 from course_lib.support import torchrun
+from course_lib.support.comm import record_collectives
 from course_lib.support.dist import launch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _warm_autograd() -> None:
-    tp.warm_up_autograd()
-
-
-def _qkv(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, dtype=dtype, generator=g) for _ in range(4)]
+    warm_up_autograd()
 
 
 @pytest.mark.parametrize("parts", [1, 2, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_merge_partials_equals_full_attention(parts: int, dtype: torch.dtype) -> None:
-    q, k, v, _ = _qkv((2, 3, 7, 4), dtype, parts)
+    q, k, v, _ = random_qkv(2, 3, 7, 4, dtype, seed=parts, count=4)
     k, v = torch.cat([k, k[..., :3, :]], dim=-2), torch.cat([v, v[..., :3, :]], dim=-2)  # 10 keys
     outs, lses = zip(*(cp.block_attention(q, kb, vb) for kb, vb in zip(k.tensor_split(parts, -2), v.tensor_split(parts, -2))))
     out, lse = cp.merge_partials([o.to(dtype) for o in outs], lses)
@@ -100,18 +93,18 @@ def _ring_case(q, k, v, dout, causal, layout):
     rank, world = dist.get_rank(), dist.get_world_size()
     shards = [cp.shard_sequence(t, rank, world, layout).requires_grad_(True) for t in (q, k, v)]
     out_fwd, lse = cp.ring_attention_forward(*(s.detach() for s in shards), causal=causal, layout=layout, overlap=rank % 2 == 0)
-    with cp.count_received_bytes() as counter:
+    with record_collectives() as log:
         out = cp.ring_attention(*shards, causal=causal, layout=layout)
         out.backward(cp.shard_sequence(dout, rank, world, layout))
     ag, ag_lse = cp.allgather_attention_forward(*(s.detach() for s in shards), causal=causal, layout=layout)
-    return out_fwd, lse, out.detach(), [s.grad for s in shards], ag, ag_lse, counter.bytes
+    return out_fwd, lse, out.detach(), [s.grad for s in shards], ag, ag_lse, log.bytes("irecv")
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize(("causal", "layout"), [(False, "contiguous"), (True, "zigzag"), (True, "contiguous")])
 def test_ring_attention_matches_full_attention(world: int, causal: bool, layout: str) -> None:
     dtype = torch.float64
-    q, k, v, dout = _qkv((2, 2, 4 * world, 5), dtype, seed=world)
+    q, k, v, dout = random_qkv(2, 2, 4 * world, 5, dtype, seed=world, count=4)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = naive_attention(*leaves, causal=causal)
     ref.backward(dout)
@@ -132,7 +125,7 @@ def test_ring_attention_matches_full_attention(world: int, causal: bool, layout:
 
 
 def test_ring_attention_fp32_many_heads() -> None:
-    q, k, v, _ = _qkv((1, 4, 24, 16), torch.float32, seed=7)
+    q, k, v, _ = random_qkv(1, 4, 24, 16, seed=7, count=4)
 
     def fn(q, k, v):
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -145,7 +138,7 @@ def test_ring_attention_fp32_many_heads() -> None:
 
 
 def test_torchrun_entry() -> None:
-    run = torchrun.run_entry("course_lib.context_parallel", 2, "--small", timeout=120)
+    run = torchrun.run_entry("benchmarks.checks.context_parallel", 2, "--small", timeout=120)
     assert len(run.checks) == 9, run.stdout
     result = run.result
     assert result["world_size"] == 2

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from course_lib import data_pipelines as dp
+from course_lib.support.timeline import Span, Timeline
 
 
 def _prefetch_threads() -> list[threading.Thread]:
@@ -146,19 +147,29 @@ def test_prefetch_buffer_bytes() -> None:
         dp.prefetch_buffer_bytes(8, -1, 2, 1)
 
 
-def test_timeline_and_run_pipeline_with_workers() -> None:
+def test_consume_batches_records_its_timeline_with_workers() -> None:
     ds = dp.SyntheticImages(16, latency=0.001, record=True)
     loader = DataLoader(ds, batch_size=4, num_workers=1, worker_init_fn=dp.worker_init)
-    tl = dp.Timeline()
-    r = dp.run_pipeline(loader, lambda b: dp.fake_step(0.002), timeline=tl)
+    tl = Timeline()
+    r = dp.consume_batches(loader, lambda b: dp.fake_step(0.002), timeline=tl)
     assert r["batches"] == 4
-    lanes = {s[0] for s in tl.spans}
-    assert lanes == {"accelerator", "worker 0"}
+    assert tl.lanes() == ["accelerator", "worker 0"]  # the accelerator's lane first
+    assert [s.label for s in tl.of("accelerator", "compute")] == ["0", "1", "2", "3"]
+    assert {s.kind for s in tl.of("worker 0")} == {"load", "preprocess"}
     assert tl.busy("accelerator", "compute") >= 4 * 0.002
-    assert 0.0 <= tl.idle_fraction("accelerator") < 1.0
-    tl2 = dp.Timeline()
+    assert 0.0 <= tl.idle_fraction("accelerator", "compute") < 1.0
+    tl2 = Timeline()
     with dp.Prefetcher(DataLoader(ds, batch_size=4), 2) as p:
-        dp.run_pipeline(p, lambda b: None, timeline=tl2)
-    assert {s[0] for s in tl2.spans} == {"accelerator", "prefetch thread"}
-    with pytest.raises(ValueError):
-        tl.add("x", "load", 0, 2.0, 1.0)
+        dp.consume_batches(p, lambda b: None, timeline=tl2)
+    assert tl2.lanes() == ["accelerator", "prefetch thread"]
+
+
+def test_add_sample_times_sums_reads_then_preprocessing_per_loader() -> None:
+    # two samples of worker 1 (read 1 s each, preprocessed 0.5 s each) and one of the main thread
+    times = torch.tensor([[10.0, 11.0, 11.5, 1], [11.5, 12.5, 13.0, 1], [20.0, 20.25, 21.0, -1]], dtype=torch.float64)
+    tl = Timeline()
+    dp.add_sample_times(tl, 7, times)
+    assert sorted(tl.spans) == sorted([
+        Span("worker 1", "load", "7", 10.0, 12.0), Span("worker 1", "preprocess", "7", 12.0, 13.0),
+        Span("main thread", "load", "7", 20.0, 20.25), Span("main thread", "preprocess", "7", 20.25, 21.0),
+    ])

@@ -1,15 +1,12 @@
 """Tests for course_lib.hybrid: mesh arithmetic, groups built by hand vs init_device_mesh, DP x TP vs one process."""
 
-import os
-
 import pytest
 
 from course_lib import hybrid
+from course_lib.exercises.hybrid import reference_shard, train_single_block
 from course_lib.support import torchrun
 from course_lib.support.dist import launch
 from course_lib.support.torchrun import assert_matches_reference
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_mesh_coords_row_major_and_inverse():
@@ -49,7 +46,7 @@ def test_new_groups_match_init_device_mesh(shape):
 
 def _dp_tp(case, dp, tp):
     out = hybrid.train_dp_tp(case, dp, tp)
-    want = hybrid.reference_shard(hybrid.train_reference(case), out["coords"][1], tp)
+    want = reference_shard(train_single_block(case), out["coords"][1], tp)
     assert_matches_reference(out["model"], want, name=f"dp{dp}xtp{tp}", rtol=1e-4, atol=1e-5)
     return out["step_s"]
 
@@ -62,15 +59,15 @@ def test_dp_tp_matches_single_process(dp, tp):
 
 def test_reference_shard_tp1_is_the_model():
     case = hybrid.HybridCase(steps=1)
-    ref = hybrid.train_reference(case)
-    shard = hybrid.reference_shard(ref, 0, 1)
+    ref = train_single_block(case)
+    shard = reference_shard(ref, 0, 1)
     for a, b in zip(shard.parameters(), ref.parameters()):
         assert (a == b).all() and (a.grad == b.grad).all()
 
 
 def test_torchrun_entry_small():
-    run = torchrun.run_entry("course_lib.hybrid", 2, "--small", timeout=120)
-    assert len(run.checks) == 4, run.stdout
+    run = torchrun.run_entry("benchmarks.checks.hybrid", 2, "--small", timeout=120)
+    assert run.checks == ["mesh_dp1xtp2", "dp1xtp2_vs_single_process", "mesh_dp2xtp1", "dp2xtp1_vs_single_process"], run.stdout
     result = run.result
     assert result["world_size"] == 2 and set(result["layouts"]) == {"dp1xtp2", "dp2xtp1"}
     assert all(v["step_s"] > 0 for v in result["layouts"].values())

@@ -1,8 +1,8 @@
-"""Pipeline parallelism (course_lib.pipeline_parallel): partitions, schedules, bubbles, and real gloo runs vs one process."""
+"""Pipeline parallelism (course_lib.pipeline_parallel, its harness): partitions, schedules, bubbles, gloo runs vs one process."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import itertools
 
 import pytest
 import torch
@@ -10,10 +10,11 @@ import torch.distributed as dist
 import torch.distributed.pipelining  # noqa: F401  (imported before forking, so ranks do not each import it)
 
 from course_lib import pipeline_parallel as pp
+from course_lib.exercises.pipeline_parallel import Stage, check_schedule, run_pipeline, stage_reference
 from course_lib.support import torchrun
 from course_lib.support.dist import launch
-
-ROOT = Path(__file__).resolve().parents[1]
+from course_lib.support.timeline import Span, Timeline
+from course_lib.support.torchrun import max_abs_error
 
 
 def _max_cost(costs, bounds):
@@ -21,8 +22,6 @@ def _max_cost(costs, bounds):
 
 
 def _brute(costs, p):
-    import itertools
-
     n = len(costs)
     best = float("inf")
     for cuts in itertools.combinations(range(1, n), p - 1):
@@ -54,22 +53,29 @@ def test_bubble_formula_and_simulation():
     assert pp.bubble_fraction(4, 8, v=2) == pytest.approx(3 / 19)
     for p, m in ((2, 1), (3, 4), (4, 8)):
         for sched in (pp.gpipe_schedule, pp.one_f_one_b_schedule):
-            fr = pp.measured_bubble(pp.simulate([sched(p, m, r) for r in range(p)]))
+            timeline = pp.simulate([sched(p, m, r) for r in range(p)])
+            assert timeline.lanes() == [f"stage {r}" for r in range(p)]
+            fr = pp.measured_bubble(timeline)
             assert fr == pytest.approx([pp.bubble_fraction(p, m)] * p)
     fr = pp.measured_bubble(pp.simulate([pp.interleaved_schedule(4, 8, 2, r) for r in range(4)], v=2))
     assert fr == pytest.approx([pp.bubble_fraction(4, 8, 2)] * 4)
 
 
 def test_measured_bubble_by_hand():
-    spans = [[("F", "0", 0.0, 1.0), ("B", "0", 3.0, 4.0)], [("F", "0", 1.0, 2.0), ("B", "0", 2.0, 3.0), ("x", "", 0.0, 4.0)]]
-    assert pp.measured_bubble(spans) == pytest.approx([0.5, 0.5])
+    timeline = Timeline([Span("stage 0", "F", "0", 0.0, 1.0), Span("stage 0", "B", "0", 3.0, 4.0),
+                         Span("stage 1", "F", "0", 1.0, 2.0), Span("stage 1", "B", "0", 2.0, 3.0),
+                         Span("stage 1", "x", "", 0.0, 9.0)])
+    assert pp.measured_bubble(timeline) == pytest.approx([0.5, 0.5])
+    assert pp.measured_bubble(timeline, ["stage 1", "stage 2"]) == pytest.approx([0.5, 1.0])  # a lane without spans: idle
+    with pytest.raises(ValueError):
+        pp.measured_bubble(Timeline([Span("stage 0", "x", "", 0.0, 1.0)]))
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_one_f_one_b_properties(p):
     for m in (1, p, 2 * p + 1):
         scheds = [pp.one_f_one_b_schedule(p, m, r) for r in range(p)]
-        pp.check_schedule(scheds, m)
+        check_schedule(scheds, m)
         for r, s in enumerate(scheds):
             assert pp.in_flight(s) == min(m, p - r)
             assert s[: min(p - 1 - r, m)] == [("F", i) for i in range(min(p - 1 - r, m))]
@@ -77,16 +83,16 @@ def test_one_f_one_b_properties(p):
 
 def test_check_schedule_catches_errors():
     with pytest.raises(AssertionError, match="before"):
-        pp.check_schedule([[("B", 0), ("F", 0)]], 1)
+        check_schedule([[("B", 0), ("F", 0)]], 1)
     with pytest.raises(AssertionError, match="in flight"):
-        pp.check_schedule([pp.gpipe_schedule(2, 3, r) for r in range(2)], 3)
+        check_schedule([pp.gpipe_schedule(2, 3, r) for r in range(2)], 3)
     with pytest.raises(AssertionError, match="deadlock"):
-        pp.check_schedule([[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 1), ("B", 1), ("F", 0), ("B", 0)]], 2)
+        check_schedule([[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 1), ("B", 1), ("F", 0), ("B", 0)]], 2)
 
 
 def test_meter_counts_and_releases():
     layers = pp.make_model(2, 4, dtype=torch.float64)
-    stage = pp.Stage(layers)
+    stage = Stage(layers)
     x = torch.randn(3, 4, dtype=torch.float64)
     outs = [stage(x.clone()) for _ in range(2)]
     per_mb = stage.meter.live // 2
@@ -95,7 +101,8 @@ def test_meter_counts_and_releases():
     assert stage.meter.live == per_mb
     outs[1].sum().backward()
     assert stage.meter.live == 0 and stage.meter.peak == 2 * per_mb
-    assert [k for k, *_ in stage.timeline.spans] == ["F", "F", "B", "B"]
+    assert [(s.lane, s.kind, s.label) for s in stage.timeline.spans] == [
+        ("stage 0", "F", "0"), ("stage 0", "F", "1"), ("stage 0", "B", "0"), ("stage 0", "B", "1")]
 
 
 def _steps_in_rank(cases):
@@ -108,8 +115,11 @@ def _steps_in_rank(cases):
             torch.randn(2 * m, 4, generator=gen, dtype=torch.float64),
         )
         ex = (lambda st, ops, *a: pp.gpipe_step(st, *a)) if gpipe else pp.run_schedule
-        out = pp.run_pipeline(model, batch, m, sched, executor=ex, warmup=False)
-        errors.append(pp._check_against_reference(out, model, batch, sched))
+        out = run_pipeline(model, batch, m, sched, executor=ex, warmup=False)
+        loss, grads = stage_reference(model, batch, out["bounds"], dist.get_rank())
+        errors.append(max_abs_error(out["grads"], grads))
+        if dist.get_rank() == dist.get_world_size() - 1:
+            errors.append(max_abs_error(out["loss"], loss))
     return errors
 
 
@@ -125,7 +135,7 @@ def _torch_vs_ours(sched, m):
     model = pp.make_model(4, 4, seed=5, dtype=torch.float64)
     gen = torch.Generator().manual_seed(6)
     batch = (torch.randn(8, 4, generator=gen, dtype=torch.float64), torch.randn(8, 4, generator=gen, dtype=torch.float64))
-    ours = pp.run_pipeline(model, batch, m, sched, warmup=False)
+    ours = run_pipeline(model, batch, m, sched, warmup=False)
     theirs = pp.torch_pipeline_step(model, batch, m, sched)
     for a, b in zip(ours["grads"], theirs["grads"]):
         torch.testing.assert_close(a, b)
@@ -139,7 +149,7 @@ def test_torch_pipelining_agrees():
 
 
 def test_torchrun_entry():
-    run = torchrun.run_entry("course_lib.pipeline_parallel", 2, "--small", timeout=120)
+    run = torchrun.run_entry("benchmarks.checks.pipeline_parallel", 2, "--small", timeout=120)
     assert run.checks == ["naive", "gpipe", "1f1b"], run.stdout
     result = run.result
     assert result["world_size"] == 2

@@ -1,4 +1,4 @@
-"""Tensor-parallel layers against single-device modules, in gloo ranks (course_lib.tensor_parallel)."""
+"""Tensor-parallel layers against single-device modules in gloo ranks (course_lib.tensor_parallel); the torchrun check."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ from torch import nn
 
 from course_lib import models
 from course_lib import tensor_parallel as tp
-from course_lib.exercises.checks import NotDoneYet, assert_close
+from course_lib.exercises.checks import assert_close
+from course_lib.exercises.ranks import warm_up_autograd
 from course_lib.support import torchrun
-from course_lib.support.dist import RankError, launch
+from course_lib.support.comm import record_collectives
+from course_lib.support.dist import launch
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _warm_autograd() -> None:
     """The first backward with an explicit gradient imports a few hundred modules; do it once, before forking."""
-    tp.warm_up_autograd()
+    warm_up_autograd()
 
 
 def _chunk(t: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
@@ -100,12 +102,12 @@ def _block(block: models.Block, x: torch.Tensor) -> tuple:
     rank, world = dist.get_rank(), dist.get_world_size()
     pb = tp.ParallelBlock.from_module(block, rank, world)
     xx = x.clone().requires_grad_(True)
-    with tp.count_collectives() as fwd:
+    with record_collectives() as fwd:
         y = pb(xx)
-    with tp.count_collectives() as bwd:
+    with record_collectives() as bwd:
         y.backward(torch.cos(y.detach()))
     grads = {n: p.grad for n, p in pb.named_parameters()}
-    return y, xx.grad, grads, fwd.calls, bwd.calls
+    return y, xx.grad, grads, [(c.op, c.bytes) for c in fwd.calls], [(c.op, c.bytes) for c in bwd.calls]
 
 
 @pytest.mark.parametrize("world,bias", [(2, True), (4, False)])
@@ -225,28 +227,6 @@ def test_shard_validation_and_comm_formula() -> None:
     assert tp.all_reduce_wire_bytes(100, 4) == 150
 
 
-def _unfinished() -> None:
-    raise NotImplementedError()
-
-
-def _wrong() -> None:
-    assert dist.get_rank() == 0, "only rank 0 is right"
-
-
-def _crash() -> None:
-    raise ValueError("boom")
-
-
-def test_launch_checked_reports_plainly() -> None:
-    with pytest.raises(NotDoneYet, match="rank 0"):
-        tp.launch_checked(_unfinished, 2)
-    with pytest.raises(AssertionError, match="rank 1 of 2: only rank 0 is right"):
-        tp.launch_checked(_wrong, 2)
-    with pytest.raises(RankError, match="boom"):
-        tp.launch_checked(_crash, 2)
-    assert tp.launch_checked(dist.get_rank, 2) == [0, 1]
-
-
 # ---- the torchrun entry -------------------------------------------------------------------------
 
 
@@ -257,7 +237,7 @@ def _torchrun(module: str, *args: str) -> tuple[list[str], dict]:
 
 
 def test_torchrun_entry_checks_every_layer_forward_and_backward() -> None:
-    checks, result = _torchrun("course_lib.tensor_parallel")
+    checks, result = _torchrun("benchmarks.checks.tensor_parallel")
     for layer in ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention", "ParallelBlock"):
         assert [c.split(": ")[1] for c in checks if c.startswith(layer)] == [
             "forward", "input gradient", "shard parameters and gradients"], (layer, checks)

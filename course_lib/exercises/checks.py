@@ -186,13 +186,18 @@ def student_side(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def sending_to(channel: Any) -> Iterator[None]:
-    """Within the block, ``student_side`` sends functions over ``channel`` (used by the grader's tester)."""
-    _SENDER.append(channel)
+def _pushed(stack: list[Any], value: Any) -> Iterator[None]:
+    """``value`` on top of ``stack`` for the block: the innermost block's setting wins."""
+    stack.append(value)
     try:
         yield
     finally:
-        _SENDER.pop()
+        stack.pop()
+
+
+def sending_to(channel: Any) -> contextlib.AbstractContextManager[None]:
+    """Within the block, ``student_side`` sends functions over ``channel`` (used by the grader's tester)."""
+    return _pushed(_SENDER, channel)
 
 
 _RECORDS: list[list[tuple[str, str, Any, dict[str, Any]]]] = []
@@ -253,14 +258,9 @@ def hidden_seed(seed: int) -> int:
     return (seed * 1_000_003 + _SECRET[-1]) % (2**31 - 1)
 
 
-@contextlib.contextmanager
-def secret_seed(secret: int) -> Iterator[None]:
+def secret_seed(secret: int) -> contextlib.AbstractContextManager[None]:
     """Within the block, ``hidden_seed`` mixes in ``secret`` (used by the grader's tester)."""
-    _SECRET.append(secret)
-    try:
-        yield
-    finally:
-        _SECRET.pop()
+    return _pushed(_SECRET, secret)
 
 
 def not_done(fn: Any) -> NotDoneYet:

@@ -30,6 +30,7 @@ fp16/bf16 inputs are computed in fp32 there and cast back.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -384,14 +385,18 @@ class FlashAttention(torch.autograd.Function):
     """Autograd wrapper: saves Q, K, V, O and the logsumexp (O(N) extra memory), never P."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None):
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
+    ) -> torch.Tensor:
+        """The attention output; keeps what the backward needs on ``ctx``."""
         out, lse = flash_attention_forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale = causal, scale
         return out
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor):
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        """(dQ, dK, dV) in the inputs' dtypes, and no gradient for ``causal`` and ``scale``."""
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = flash_attention_backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

@@ -56,18 +56,25 @@ def _check_2d(x: torch.Tensor, name: str = "x") -> None:
 
 
 @triton.jit
-def _copy_tile_kernel(
+def _tile_kernel(
     x_ptr, y_ptr, M, N,
     stride_xm, stride_xn, stride_ym, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):
-    # One BLOCK_M x BLOCK_N tile per program. Along a row of the tile, neighbouring threads touch
+    # One BLOCK_M x BLOCK_N tile of x per program, read along its rows: neighbouring threads touch
     # neighbouring addresses, so a warp's 32 loads merge into a few wide memory transactions.
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tile = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :] * stride_xn, mask=mask)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, tile, mask=mask)
+    if TRANSPOSE:
+        # y[j, i] = x[i, j], written along the rows of y (coalesced again): the transposed tile's
+        # rows are y's rows rn, its columns y's columns rm. tl.trans only changes which thread
+        # holds which element; the compiler does the exchange through shared memory.
+        out_mask = (rn[:, None] < N) & (rm[None, :] < M)
+        tl.store(y_ptr + rn[:, None] * stride_ym + rm[None, :] * stride_yn, tl.trans(tile), mask=out_mask)
+    else:
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, tile, mask=mask)
 
 
 @triton.jit
@@ -85,33 +92,15 @@ def _copy_column_kernel(
     tl.store(y_ptr + rows * stride_ym + col * stride_yn, values, mask=mask)
 
 
-@triton.jit
-def _transpose_tile_kernel(
-    x_ptr, y_ptr, M, N,
-    stride_xm, stride_xn, stride_ym, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # Read a tile of x along its rows (coalesced), transpose it on chip, and write it along the
-    # rows of y (coalesced again). tl.trans only changes which thread holds which element; the
-    # compiler does the exchange through shared memory.
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tile = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :] * stride_xn, mask=mask)
-    # y[j, i] = x[i, j]: the transposed tile's rows are y's rows rn, its columns y's columns rm.
-    out_mask = (rn[:, None] < N) & (rm[None, :] < M)
-    tl.store(y_ptr + rn[:, None] * stride_ym + rm[None, :] * stride_yn, tl.trans(tile), mask=out_mask)
-
-
 def copy(x: torch.Tensor) -> torch.Tensor:
     """A copy of 2-D ``x`` (contiguous result), tile by tile with coalesced reads and writes."""
     _check_2d(x)
     M, N = x.shape
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(M, _COPY_BLOCK_M), triton.cdiv(N, _COPY_BLOCK_N))
-    _copy_tile_kernel[grid](
+    _tile_kernel[grid](
         x, y, M, N, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-        BLOCK_M=_COPY_BLOCK_M, BLOCK_N=_COPY_BLOCK_N,
+        BLOCK_M=_COPY_BLOCK_M, BLOCK_N=_COPY_BLOCK_N, TRANSPOSE=False,
     )
     return y
 
@@ -135,9 +124,9 @@ def transpose(x: torch.Tensor, *, coalesced: bool = True) -> torch.Tensor:
     y = torch.empty((N, M), device=x.device, dtype=x.dtype)
     if coalesced:
         grid = (triton.cdiv(M, _TRANSPOSE_BLOCK), triton.cdiv(N, _TRANSPOSE_BLOCK))
-        _transpose_tile_kernel[grid](
+        _tile_kernel[grid](
             x, y, M, N, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-            BLOCK_M=_TRANSPOSE_BLOCK, BLOCK_N=_TRANSPOSE_BLOCK,
+            BLOCK_M=_TRANSPOSE_BLOCK, BLOCK_N=_TRANSPOSE_BLOCK, TRANSPOSE=True,
         )
     else:
         # Row j of y is column j of x: written contiguously, read with a stride of a whole row.

@@ -36,20 +36,25 @@ COLLECTIVES: dict[str, int] = {
     "all_reduce": 0, "broadcast": 0, "reduce": 0, "all_gather": 1, "all_gather_into_tensor": 1,
     "reduce_scatter": 1, "reduce_scatter_tensor": 1, "gather": 0, "scatter": 0, "all_to_all": 1,
     "all_to_all_single": 1, "broadcast_object_list": 0, "all_gather_object": 1, "gather_object": 0,
-    "scatter_object_list": 1,
+    "scatter_object_list": 1, "reduce_scatter_single": 1, "all_gather_single": 1,
 }
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
 @dataclass
 class Call:
-    """One recorded call: the operation, this rank's payload bytes, the peer of a point-to-point call, its span."""
+    """One recorded call: the operation, this rank's payload bytes, the peer of a point-to-point call, its span.
+
+    ``async_op``: the call returned at once with a work handle (``async_op=True``, ``isend``/``irecv``,
+    ``batch_isend_irecv``) instead of waiting for completion.
+    """
 
     op: str
     bytes: int
     peer: int | None = None
     start: float = 0.0
     end: float | None = None  # None until it completes
+    async_op: bool = False
 
 
 @dataclass
@@ -95,10 +100,10 @@ class _Recorder:
     def __init__(self, log: CommLog, timeline: Timeline | None, lane: str, forbid: Collection[str], reason: str) -> None:
         self.log, self.timeline, self.lane, self.forbid, self.reason = log, timeline, lane, set(forbid), reason
 
-    def _start(self, op: str, n_bytes: int, peer: int | None = None) -> Call:
+    def _start(self, op: str, n_bytes: int, peer: int | None = None, async_op: bool = False) -> Call:
         if op in self.forbid:
             raise AssertionError(f"dist.{op} is not allowed here" + (f": {self.reason}" if self.reason else ""))
-        call = Call(op, n_bytes, peer, Timeline.now())
+        call = Call(op, n_bytes, peer, Timeline.now(), async_op=async_op)
         self.log.calls.append(call)
         return call
 
@@ -120,9 +125,10 @@ class _Recorder:
     def collective(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            call = self._start(name, _payload(_tensor_arg(args, kwargs, COLLECTIVES[name])))
+            async_op = bool(kwargs.get("async_op", False))
+            call = self._start(name, _payload(_tensor_arg(args, kwargs, COLLECTIVES[name])), async_op=async_op)
             result = fn(*args, **kwargs)
-            self._finish(call, result if kwargs.get("async_op", False) else None)
+            self._finish(call, result if async_op else None)
             return result
         return recorded
 
@@ -131,14 +137,14 @@ class _Recorder:
         def recorded(*args: Any, **kwargs: Any) -> Any:
             if name == "batch_isend_irecv":
                 ops = list(args[0] if args else kwargs["p2p_op_list"])
-                calls = [self._start(op.op.__name__, _payload(op.tensor), op.peer) for op in ops]
+                calls = [self._start(op.op.__name__, _payload(op.tensor), op.peer, async_op=True) for op in ops]
                 works = fn(ops)
                 for call, work in zip(calls, works or [None] * len(calls)):
                     self._finish(call, work)
                 return works
             tensor = args[0] if args else kwargs["tensor"]
             peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
-            call = self._start(name, _payload(tensor), peer)
+            call = self._start(name, _payload(tensor), peer, async_op=name in ("isend", "irecv"))
             result = fn(*args, **kwargs)
             self._finish(call, result if name in ("isend", "irecv") else None)
             return result

@@ -12,6 +12,16 @@ student's code while it works and the course's reference (saying why, once) when
   every cell; redefining the function, or running the same cell again without an error,
   clears it.
 
+The rule is one; when it is applied is of two kinds:
+
+- lazy (the default): ``use_or_fallback(fn, ref)`` returns a stand-in that decides at every call,
+  so an exercise finished later in the session is used from then on, and a call that raises
+  where the reference does not switches to the reference for good;
+- eager (with a ``probe``): the choice is made once, now, and the object itself comes back. For
+  what cannot be wrapped or must be decided before ranks start: a class used other than by
+  calling it (subclassed, ``isinstance``), or code sent to ranks, whose output the notebook does
+  not see.
+
 Nothing here takes part in grading: the grader computes the verdict elsewhere.
 """
 

@@ -1,0 +1,140 @@
+"""Check the chapter-12 data-parallel algorithms on N ranks and time them.
+
+Naive DDP, ``BucketedDDP`` (micro-batches in ``no_sync``) and torch's DistributedDataParallel
+against single-process training, ZeRO-1 against single-process Adam and torch's
+ZeroRedundancyOptimizer; then the step time of each DDP and the optimizer-state bytes per rank:
+
+    torchrun --standalone --nproc_per_node N -m benchmarks.checks.data_parallel [--small]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from course_lib import data_parallel as dp
+from course_lib.exercises.data_parallel import TrainCase
+from course_lib.models import MLP
+from course_lib.support.dist import rank_device
+from course_lib.support.sizes import tensor_bytes
+from course_lib.support.timing import time_in_ranks
+from course_lib.support.torchrun import entry_main, report_check
+
+__all__ = ["check"]
+
+_MODES = ("single", "naive", "bucketed", "torch_ddp", "zero1", "torch_zero")
+
+
+def _train(case: TrainCase, mode: str, device: torch.device) -> tuple[nn.Module, Any]:
+    """Train ``case`` on ``device`` one way (see ``_MODES``); return the model and its optimizer.
+
+    "single" trains on the whole batch in this process, without communication (the reference);
+    "naive", "bucketed" and "torch_ddp" are naive DDP, ``BucketedDDP`` and torch's
+    DistributedDataParallel; "zero1" is ``ZeroStage1Optimizer`` and "torch_zero" torch's DDP with
+    ``ZeroRedundancyOptimizer`` (Adam). Micro-batches but the last run in ``no_sync()``.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {_MODES}")
+    rank, world = (0, 1) if mode == "single" else (dist.get_rank(), dist.get_world_size())
+    model = case.model().to(device)
+    wrapper: dp.BucketedDDP | nn.parallel.DistributedDataParallel | None = None
+    if mode == "bucketed":
+        wrapper = dp.BucketedDDP(model, bucket_cap_mb=case.bucket_cap_mb)
+    elif mode in ("torch_ddp", "torch_zero"):
+        wrapper = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=case.bucket_cap_mb)
+    net: nn.Module = model if wrapper is None else wrapper
+    if mode == "zero1":
+        opt: Any = dp.ZeroStage1Optimizer(model.parameters(), lr=case.lr, weight_decay=case.weight_decay)
+    elif mode == "torch_zero":
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=case.lr,
+                                      weight_decay=case.weight_decay)
+    else:
+        opt = case.make_optimizer(model.parameters())
+    x, y = (t.to(device) for t in case.data())
+    for s in range(case.steps):
+        opt.zero_grad(set_to_none=True)
+        for k in range(case.accumulation):
+            xs, ys = dp.shard_batch((x[s, k], y[s, k]), rank, world)
+            last = k == case.accumulation - 1
+            with contextlib.nullcontext() if last or wrapper is None else wrapper.no_sync():
+                (F.mse_loss(net(xs), ys) / case.accumulation).backward()
+        if mode == "naive":
+            dp.average_gradients(model)
+        elif isinstance(net, dp.BucketedDDP):  # mode == "bucketed"
+            net.finish_gradient_sync()
+        opt.step()
+    return model, opt
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach() for p in model.parameters()]
+
+
+def check(small: bool) -> dict[str, Any]:
+    """In every rank: naive, bucketed and torch DDP, ZeRO-1 and torch's ZeRO against single-process training; timings."""
+    world, device = dist.get_world_size(), rank_device()
+    sizes = (6, 10, 4) if small else (512, 1024, 1024, 256)
+    common: dict[str, Any] = dict(sizes=sizes, batch=4 * world, steps=3, bucket_cap_mb=1e-4 if small else 1.0)
+    tol = {"rtol": 1e-9, "atol": 1e-11}  # float64: only the order of the additions differs
+    states: dict[str, int] = {}
+    for case in (TrainCase(accumulation=2, **common), TrainCase(optimizer="adam", lr=0.01, seed=1, **common)):
+        label = f"{case.optimizer} MLP{list(sizes)}"
+        reference, reference_opt = _train(case, "single", device)
+        for mode in ("naive", "bucketed", "torch_ddp"):
+            model, _ = _train(case, mode, device)
+            report_check(f"{mode} {label}: params and grads vs single process", model, reference, **tol)
+            if mode == "bucketed":
+                torch_ddp, _ = _train(case, "torch_ddp", device)
+                report_check(f"bucketed {label}: params and grads vs torch DDP", model, torch_ddp, **tol)
+        if case.optimizer == "adam":
+            zero1, opt = _train(case, "zero1", device)
+            torch_zero, torch_opt = _train(case, "torch_zero", device)
+            report_check(f"zero1 {label}: params vs single-process Adam", _params(zero1), _params(reference), **tol)
+            report_check(f"zero1 {label}: params vs torch ZeroRedundancyOptimizer", _params(zero1), _params(torch_zero),
+                         **tol)
+            states = {"zero1": tensor_bytes(opt.state), "torch_zero": tensor_bytes(torch_opt.optim.state),
+                      "adam_single_process": tensor_bytes(reference_opt.state)}
+    return {
+        "world_size": world,
+        "backend": dist.get_backend(),
+        "step_ms": _step_times(64 if small else 4096, device),
+        "optimizer_state_bytes_per_rank": states,
+    }
+
+
+def _step_times(width: int, device: torch.device) -> dict[str, float]:
+    """Median ms of forward + backward + gradient sync of a 4-layer fp32 MLP: none, naive, bucketed, torch DDP."""
+    x = torch.randn(32, width, device=device)
+    out = {}
+    for mode in ("compute_only", "naive", "bucketed", "torch_ddp"):
+        model = MLP([width] * 5, seed=0).to(device)
+        net: nn.Module = model
+        if mode == "bucketed":
+            net = dp.BucketedDDP(model)
+        elif mode == "torch_ddp":
+            net = nn.parallel.DistributedDataParallel(model)
+        step = functools.partial(_sync_step, model, net, mode == "naive")
+        out[mode] = statistics.median(time_in_ranks(step, x, repeat=5, warmup=2)) * 1e3
+    return out
+
+
+def _sync_step(model: nn.Module, net: nn.Module, naive: bool, t: torch.Tensor) -> None:
+    """Forward + backward of ``net`` (``model``, maybe wrapped) on ``t``, then the gradient sync a wrapper leaves to us."""
+    model.zero_grad(set_to_none=True)
+    F.mse_loss(net(t), t).backward()
+    if naive:
+        dp.average_gradients(model)
+    elif isinstance(net, dp.BucketedDDP):
+        net.finish_gradient_sync()
+
+
+if __name__ == "__main__":
+    entry_main(check, __doc__)

@@ -1,0 +1,290 @@
+"""Chapter 14's harness: the instrumented stage test cells and demos run a rank's layers in, one timed step, the checks.
+
+- ``Stage``: a rank's layers plus bookkeeping: the span of each micro-batch's forward (F) and
+  backward (B) pass on a ``Timeline`` (lane "stage <rank>"), the bytes of activations autograd
+  saves over time (``SavedActivationMeter``), and optional sleeps that stand in for compute;
+- ``run_pipeline``: inside a rank, build this rank's stage of a model and run one timed step of a
+  schedule with an executor (``pp.run_schedule``, ``pp.gpipe_step`` or a student's); returns
+  what the stage recorded;
+- ``stage_reference``: the single-process loss and the gradients one stage must end with;
+- ``check_schedule``: AssertionError, saying which property fails, unless per-rank schedules form
+  a valid pipeline step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import pipeline_parallel as pp
+from course_lib.accumulation_checkpointing import LossFn
+from course_lib.support.dist import rank_device
+from course_lib.support.timeline import Timeline
+
+__all__ = ["SavedActivationMeter", "Stage", "check_schedule", "run_pipeline", "stage_reference"]
+
+
+# ---- what a stage records -------------------------------------------------------------------------
+
+
+class _Held:
+    """A tensor autograd saved for backward; telling the meter when autograd lets go of it."""
+
+    __slots__ = ("meter", "key", "tensor")
+
+    def __init__(self, meter: SavedActivationMeter, key: tuple[int, int], tensor: torch.Tensor) -> None:
+        self.meter, self.key, self.tensor = meter, key, tensor
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+class SavedActivationMeter:
+    """Counts the bytes of activations autograd holds for backward, over time (parameters excluded).
+
+    Inside ``with meter.track():`` every saved tensor is counted (each distinct tensor memory once) until
+    autograd frees it, which happens as the backward pass consumes it. ``samples`` holds
+    ``(time, live_bytes)`` after every change; ``peak`` the largest live count.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor] = ()) -> None:
+        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self._refs: dict[tuple[int, int], list[int]] = {}  # (address, bytes) -> [bytes, references]
+        self.live = 0
+        self.peak = 0
+        self.samples: list[tuple[float, int]] = []
+
+    def reset(self) -> None:
+        """Forget the history (tensors still held stay counted)."""
+        self.peak = self.live
+        self.samples = []
+
+    def track(self) -> Any:
+        """A context manager: tensors saved for backward inside it are counted."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.untyped_storage().data_ptr() in self._param_storages:
+            return t
+        # A view counts for its own bytes (a micro-batch is a view of the whole batch).
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        entry = self._refs.get(key)
+        if entry is None:
+            self._refs[key] = [key[1], 1]
+            self.live += self._refs[key][0]
+            self._sample()
+        else:
+            entry[1] += 1
+        return _Held(self, key, t)
+
+    @staticmethod
+    def _unpack(obj: Any) -> torch.Tensor:
+        return obj.tensor if isinstance(obj, _Held) else obj
+
+    def _release(self, key: tuple[int, int]) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._refs[key]
+            self.live -= entry[0]
+            self._sample()
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, self.live)
+        self.samples.append((time.perf_counter(), self.live))
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity; its backward runs first in the stage's backward pass: note the time, sleep the stage's backward delay."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, stage: Stage, mb: int) -> torch.Tensor:
+        ctx.stage, ctx.mb = stage, mb
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.stage._b_start[ctx.mb] = Timeline.now()
+        if ctx.stage.backward_delay > 0:
+            time.sleep(ctx.stage.backward_delay)
+        return grad, None, None
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """Identity; its backward runs last in the stage's backward pass: record the B span."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, stage: Stage, mb: int) -> torch.Tensor:
+        ctx.stage, ctx.mb, ctx.x_needs_grad = stage, mb, x.requires_grad
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:
+        stage = ctx.stage
+        if grad.is_cuda:  # kernels run asynchronously: wait for them, so the span ends when the work does
+            torch.cuda.synchronize(grad.device)
+        start = stage._b_start.pop(ctx.mb, None)
+        if start is not None:
+            stage.timeline.add(stage.lane, "B", ctx.mb, start, Timeline.now())
+        return (grad if ctx.x_needs_grad else None), None, None, None
+
+
+class Stage(nn.Module):
+    """One pipeline stage: ``layers`` plus bookkeeping. Call it like the layers, once per micro-batch.
+
+    Forward passes are numbered 0, 1, ... in call order (``new_step()`` restarts the count);
+    each records a span of kind "F" labelled with its number in ``self.timeline``, on lane
+    ``lane`` (default "stage <rank>"), and its backward pass a span of kind "B".
+    ``forward_delay`` / ``backward_delay`` seconds of sleep per micro-batch stand in for compute
+    that a tiny model does not have. ``self.meter`` counts the activation bytes saved for
+    backward over time. On a GPU each span waits for its kernels
+    (``torch.cuda.synchronize``), so the timestamps mean something, at the price of that sync.
+    """
+
+    def __init__(self, layers: nn.Module, *, forward_delay: float = 0.0, backward_delay: float = 0.0,
+                 lane: str | None = None) -> None:
+        super().__init__()
+        self.layers = layers
+        self.lane = lane if lane is not None else f"stage {dist.get_rank() if dist.is_initialized() else 0}"
+        self.forward_delay = forward_delay
+        self.backward_delay = backward_delay
+        self.timeline = Timeline()
+        self.meter = SavedActivationMeter(list(layers.parameters()))
+        self._anchor = torch.zeros((), requires_grad=True)  # gives _BackwardEnd a differentiable input on stage 0
+        self._b_start: dict[int, float] = {}
+        self._mb = 0
+
+    def new_step(self) -> None:
+        """Restart the micro-batch count and forget the recorded spans and memory samples."""
+        self._mb = 0
+        self._b_start.clear()
+        self.timeline = Timeline()
+        self.meter.reset()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mb = self._mb
+        self._mb += 1
+        start = Timeline.now()
+        x = _BackwardEnd.apply(x, self._anchor, self, mb)
+        with self.meter.track():
+            y = self.layers(x)
+        if y.is_cuda:  # kernels run asynchronously: wait for them, so the span ends when the work does
+            torch.cuda.synchronize(y.device)
+        if self.forward_delay > 0:
+            time.sleep(self.forward_delay)
+        y = _BackwardStart.apply(y, self, mb)
+        self.timeline.add(self.lane, "F", mb, start, Timeline.now())
+        return y
+
+
+# ---- one timed step in a rank ---------------------------------------------------------------------
+
+
+def run_pipeline(
+    model: nn.Sequential,
+    batch: Sequence[torch.Tensor],
+    m: int,
+    schedule: str | Callable[[int, int, int], Sequence[pp.Action]] = "gpipe",
+    *,
+    bounds: Sequence[tuple[int, int]] | None = None,
+    executor: Callable[..., Any] = pp.run_schedule,
+    forward_delay: float = 0.0,
+    backward_delay: float = 0.0,
+    loss_fn: LossFn = F.mse_loss,
+    lr: float = 0.0,
+    warmup: bool = True,
+) -> dict[str, Any]:
+    """In a rank: build this rank's ``Stage`` of ``model``, run one timed pipeline step, return what it measured.
+
+    ``schedule`` names one of ``pp.SCHEDULES`` or is a function (p, m, rank) -> actions;
+    ``executor(stage, actions, batch, m, loss_fn)`` runs it (``gpipe_step`` style executors take no
+    actions: pass ``executor=lambda st, actions, *a: gpipe_step(st, *a)``). ``bounds`` default: equal
+    layer counts (``balanced_partition`` with unit costs). With ``lr`` > 0 an SGD step follows.
+    Returns a dict: loss (last rank, else None), grads and params (this stage's, after the
+    step), timeline (the stage's F/B spans, lane "stage <rank>"), memory samples, peak_bytes,
+    bounds, actions.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = rank_device()
+    bounds = list(bounds) if bounds is not None else pp.balanced_partition([1.0] * len(model), world)
+    sched_fn = pp.SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+    actions = list(sched_fn(world, m, rank))
+    stage = Stage(pp.stage_layers(model, bounds, rank).to(dev), lane=f"stage {rank}")
+    batch = tuple(t.to(dev) for t in batch)
+    if warmup:  # one untimed step: first-call costs (autograd, p2p connections) stay out of the chart
+        executor(stage, actions, batch, m, loss_fn)
+        stage.zero_grad(set_to_none=True)
+        stage.new_step()
+    stage.forward_delay, stage.backward_delay = forward_delay, backward_delay
+    dist.barrier()
+    loss = executor(stage, actions, batch, m, loss_fn)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in stage.layers.parameters()]
+    if lr > 0:
+        torch.optim.SGD(stage.layers.parameters(), lr=lr).step()
+    return {
+        "loss": None if loss is None else loss.detach(),
+        "grads": grads,
+        "params": [p.detach().clone() for p in stage.layers.parameters()],
+        "timeline": stage.timeline,
+        "memory": list(stage.meter.samples),
+        "peak_bytes": stage.meter.peak,
+        "bounds": bounds,
+        "actions": actions,
+    }
+
+
+# ---- checks ---------------------------------------------------------------------------------------
+
+
+def stage_reference(
+    model: nn.Sequential, batch: Sequence[torch.Tensor], bounds: Sequence[tuple[int, int]], rank: int,
+    loss_fn: LossFn = F.mse_loss,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The single-process step's loss and the gradients of the parameters stage ``rank`` holds under ``bounds``."""
+    loss, grads = pp.reference_step(model, batch, loss_fn)
+    start, end = bounds[rank]
+    counts = [len(list(layer.parameters())) for layer in model]
+    first = sum(counts[:start])
+    return loss, grads[first:first + sum(counts[start:end])]
+
+
+def check_schedule(schedules: Sequence[Sequence[pp.Action]], m: int) -> None:
+    """AssertionError (saying what is wrong) unless the per-rank schedules form a valid 1F1B-style pipeline step.
+
+    Every rank runs F and B of each micro-batch exactly once, F before B; the ranks can run them
+    without deadlock; rank r never holds more than p - r micro-batches in flight.
+    """
+    p = len(schedules)
+    for r, sched in enumerate(schedules):
+        raw = [tuple(action) for action in sched]
+        bad = [a for a in raw if len(a) != 2 or a[0] not in ("F", "B") or not isinstance(a[1], int)]
+        if bad:
+            raise AssertionError(f"rank {r}: actions must be ('F', mb) or ('B', mb) with an int mb, got {bad[0]!r}")
+        actions = cast(list[pp.Action], raw)  # checked just above
+        for kind in ("F", "B"):
+            mbs = sorted(mb for k, mb in actions if k == kind)
+            if mbs != list(range(m)):
+                raise AssertionError(f"rank {r}: the {kind} actions cover micro-batches {mbs}, expected each of 0..{m - 1} once")
+        seen: set[int] = set()
+        for k, mb in actions:
+            if k == "F":
+                seen.add(mb)
+            elif mb not in seen:
+                raise AssertionError(f"rank {r}: ('B', {mb}) comes before ('F', {mb})")
+        peak = pp.in_flight(actions)
+        if peak > p - r:
+            raise AssertionError(f"rank {r}: {peak} micro-batches in flight at once, at most p - rank = {p - r} allowed")
+    try:
+        pp.simulate(schedules)
+    except ValueError as err:
+        raise AssertionError(str(err)) from None
