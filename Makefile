@@ -110,7 +110,7 @@ release: $(STAMP)
 
 # Grading throughput: 100 submissions of chapter 01 with --jobs 2 (the figure in INSTRUCTORS.md).
 bench-grading: $(STAMP) sandbox-deps
-	$(PY) -m autograder.bench --submissions 100 --jobs 2 --chapter 01_floating_point
+	$(PY) -m benchmarks.grading --submissions 100 --jobs 2 --chapter 01_floating_point
 
 # Benchmark suite (on a CUDA machine): our kernels against PyTorch's, written to benchmarks/results/.
 bench: $(STAMP)

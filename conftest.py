@@ -4,7 +4,7 @@ suite could not run (no bubblewrap).
 
 Solution notebooks are committed without outputs, so a cell marked `# NBVAL_CHECK_OUTPUT` would
 have nothing to be compared with. Its expected output lives instead in
-`tests/pinned_outputs/<chapter>.json` (written by `python -m autograder pin`), and is put into
+`tests/pinned_outputs/<chapter>.json` (written by `python tests/pin_outputs.py`), and is put into
 the cell here before nbval runs it.
 """
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+import course_lib
+
 from . import wire
 
 __all__ = ["REFERENCE_MESSAGE", "serve"]
@@ -291,8 +293,6 @@ def _codes_of(obj: Any) -> list[types.CodeType]:
     another course_lib class (``forward = CausalSelfAttention.forward``) is shared with code that
     is no answer.
     """
-    import course_lib
-
     home = os.path.dirname(os.path.realpath(course_lib.__file__)) + os.sep
     own = getattr(inspect.unwrap(obj) if callable(obj) else obj, "__qualname__", "")
     candidates = [obj]

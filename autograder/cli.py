@@ -1,4 +1,4 @@
-"""The command line: ``python -m autograder release | grade | validate | pin``."""
+"""The command line: ``python -m autograder release | grade | validate``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 from .config import DEFAULT_CELL_TIMEOUT, DEFAULT_SUBMISSION_TIMEOUT
+from .contracts import positive_float, positive_int
 from .course import Course, UnknownChapterError, default_course_root
-from .sandbox import DEFAULT_DISK_BYTES, DEFAULT_MAX_PROCESSES, DEFAULT_MEMORY_BYTES
+from .limits import DEFAULT_DISK_BYTES, DEFAULT_MAX_PROCESSES, DEFAULT_MEMORY_BYTES, Limits
 
 __all__ = ["build_parser", "main"]
 
@@ -83,16 +84,6 @@ exit status: 0 all tests passed; 1 a test failed or the notebook could not be ru
 2 usage error."""
 
 
-PIN_HELP = """\
-Execute each chapter's solution notebook and record the output of the cells whose
-source starts with `# NBVAL_CHECK_OUTPUT` in tests/pinned_outputs/<chapter>.json.
-Solution notebooks are stored without outputs; the test suite's nbval run compares
-those cells with what is recorded here. Pin only output that is the same on a CPU
-and on a GPU.
-
-exit status: 0 recorded; 1 a notebook failed to run; 2 usage error."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m autograder``."""
     common = argparse.ArgumentParser(add_help=False)
@@ -120,22 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="folder of <student_id>/<chapter>/<chapter>.ipynb")
     grade.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder for the grade tables and feedback")
     grade.add_argument("--chapter", default=None, metavar="C", help="grade only chapter C")
-    grade.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
+    grade.add_argument("--jobs", type=positive_int, default=None, metavar="N",
                        help="submissions graded at once (default: number of CPUs)")
-    grade.add_argument("--timeout", type=_positive_float, default=DEFAULT_SUBMISSION_TIMEOUT, metavar="SECONDS",
+    grade.add_argument("--timeout", type=positive_float, default=DEFAULT_SUBMISSION_TIMEOUT, metavar="SECONDS",
                        help="time limit per submission; it is killed after (default: %(default)s)")
-    grade.add_argument("--cell-timeout", type=_positive_int, default=DEFAULT_CELL_TIMEOUT, metavar="SECONDS",
+    grade.add_argument("--cell-timeout", type=positive_int, default=DEFAULT_CELL_TIMEOUT, metavar="SECONDS",
                        help="time limit per cell; the cell is interrupted and scores 0 (default: %(default)s)")
     grade.add_argument("--no-sandbox", action="store_true",
                        help="run kernels without bubblewrap (only for trusted notebooks; tests still run in the tester)")
     grade.add_argument("--force", action="store_true",
                        help="regrade every submission, also those an earlier run into --out already graded")
-    grade.add_argument("--max-processes", type=_positive_int, default=DEFAULT_MAX_PROCESSES, metavar="N",
+    grade.add_argument("--max-processes", type=positive_int, default=DEFAULT_MAX_PROCESSES, metavar="N",
                        help="processes and threads per submission, where a pids cgroup is available (default: %(default)s)")
-    grade.add_argument("--memory-gb", type=_positive_float, default=DEFAULT_MEMORY_BYTES / 2**30, metavar="GB",
+    grade.add_argument("--memory-gb", type=positive_float, default=DEFAULT_MEMORY_BYTES / 2**30, metavar="GB",
                        help="memory per kernel process: RLIMIT_AS on a CPU, a memory cgroup on a GPU machine "
                             "(default: %(default)s)")
-    grade.add_argument("--disk-gb", type=_positive_float, default=DEFAULT_DISK_BYTES / 2**30, metavar="GB",
+    grade.add_argument("--disk-gb", type=positive_float, default=DEFAULT_DISK_BYTES / 2**30, metavar="GB",
                        help="size of a kernel's /tmp and of its working folder, each: in memory, gone after the "
                             "submission (default: %(default)s)")
     grade.set_defaults(handler=_grade, parser=grade)
@@ -143,17 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", parents=[common], formatter_class=fmt, description=VALIDATE_HELP,
                                    help="run a notebook's tests the way the grader will")
     validate.add_argument("notebook", type=Path, metavar="NOTEBOOK", help="the notebook to check")
-    validate.add_argument("--cell-timeout", type=_positive_int, default=DEFAULT_CELL_TIMEOUT, metavar="SECONDS",
+    validate.add_argument("--cell-timeout", type=positive_int, default=DEFAULT_CELL_TIMEOUT, metavar="SECONDS",
                           help="time limit per cell (default: %(default)s)")
     validate.set_defaults(handler=_validate, parser=validate)
 
-    pin = commands.add_parser("pin", parents=[common], formatter_class=fmt, description=PIN_HELP,
-                              help="record the expected output of cells marked # NBVAL_CHECK_OUTPUT")
-    pin.add_argument("chapters", nargs="*", metavar="CHAPTER", help="chapter folder names (default: every chapter)")
-    pin.set_defaults(handler=_pin, parser=pin)
     return parser
 
 
+# Each command imports what it runs when it runs: nbgrader takes seconds to import, and ``--help``
+# or a usage error should not wait for it.
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit status (argparse exits with 2 on a usage error)."""
     args = build_parser().parse_args(argv)
@@ -201,8 +190,8 @@ def _grade(args: argparse.Namespace, course: Course) -> int:
     grades = grade_submissions(
         course, args.submissions, args.out, chapter=args.chapter, jobs=args.jobs,
         timeout=args.timeout, cell_timeout=args.cell_timeout, sandbox=not args.no_sandbox, force=args.force,
-        max_processes=args.max_processes, memory_bytes=int(args.memory_gb * 2**30),
-        disk_bytes=int(args.disk_gb * 2**30),
+        limits=Limits(max_processes=args.max_processes, memory_bytes=int(args.memory_gb * 2**30),
+                      disk_bytes=int(args.disk_gb * 2**30)),
     )
     return 0 if all(g.status == "ok" for g in grades) else 1
 
@@ -223,38 +212,3 @@ def _validate(args: argparse.Namespace, course: Course) -> int:
     report, passed = summarise(result)
     print(report)
     return 0 if passed else 1
-
-
-def _pin(args: argparse.Namespace, course: Course) -> int:
-    """``pin``: record the pinned outputs of each chapter."""
-    from nbclient.exceptions import CellExecutionError
-
-    from .pin import pin_chapter
-
-    try:
-        chapters = course.resolve(args.chapters)
-    except UnknownChapterError as exc:
-        args.parser.error(str(exc))
-    for chapter in chapters:
-        try:
-            print(f"pinned {pin_chapter(course.root, chapter).relative_to(course.root)}", flush=True)
-        except CellExecutionError as exc:
-            print(f"error: {chapter} failed to run: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
-            return 1
-    return 0
-
-
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer above zero."""
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    """An argparse type: a number above zero."""
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value

@@ -30,6 +30,7 @@ from nbformat.v4 import new_output
 from nbgrader.preprocessors import Execute
 from traitlets import Dict, Float, Integer, Unicode
 
+from .contracts import TESTER_READY, CellRequest, ContractError, TesterArgs, Verdict
 from .course import is_test_cell
 
 __all__ = ["HIDDEN_FAILURE", "VISIBLE_FAILURE", "TesterProcess", "TrustedExecute"]
@@ -43,16 +44,16 @@ VISIBLE_FAILURE = "[a visible test failed] "
 
 
 class TesterProcess:
-    """The trusted tester of one submission: a child process fed one test cell per line."""
+    """The trusted tester of one submission: a child process fed one ``CellRequest`` per line, answering ``Verdict`` lines."""
 
-    def __init__(self, source: Path, socket_path: Path, cell_timeout: float, env: dict[str, str], cwd: Path):
-        self.cell_timeout = cell_timeout
+    def __init__(self, args: TesterArgs, env: dict[str, str], cwd: Path):
+        self.cell_timeout = args.cell_timeout
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "autograder.tester", "--source", str(source), "--socket", str(socket_path),
-             "--cell-timeout", str(cell_timeout)],
+            [sys.executable, "-m", "autograder.tester", *args.argv()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=cwd, text=True,
         )
         self.lines: queue.Queue = queue.Queue()
+        self.grade_id = ""
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -60,29 +61,37 @@ class TesterProcess:
             self.lines.put(line)
         self.lines.put(None)
 
-    def _next(self, timeout: float) -> dict[str, Any]:
+    def _next(self, timeout: float) -> str:
+        """The tester's next line; ContractError when it stopped or did not answer in time."""
         try:
             line = self.lines.get(timeout=timeout)
         except queue.Empty:
-            return {"error": ["TestFailed", "the grader's tester did not answer in time"]}
+            raise ContractError("the grader's tester did not answer in time") from None
         if line is None:
-            return {"error": ["TestFailed", f"the grader's tester stopped (exit status {self.proc.poll()})"]}
-        return json.loads(line)
+            raise ContractError(f"the grader's tester stopped (exit status {self.proc.poll()})")
+        return line
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         """Wait until the tester has imported the tests' modules and listens."""
-        reply = self._next(timeout)
-        if not reply.get("ready"):
-            raise RuntimeError(f"the grader's tester did not start: {reply.get('error')}")
+        line = self._next(timeout)
+        if line.strip() != TESTER_READY:
+            raise RuntimeError(f"the grader's tester did not start: {line.strip()[:200]}")
 
     def start(self, grade_id: str, token: str) -> None:
         """Ask for one test cell; the kernel must connect with ``token``."""
-        self.proc.stdin.write(json.dumps({"grade_id": grade_id, "token": token}) + "\n")  # type: ignore[union-attr]
+        self.grade_id = grade_id
+        self.proc.stdin.write(CellRequest(grade_id, token).to_line())  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
 
-    def verdict(self) -> dict[str, Any]:
-        """The verdict of the cell asked for last."""
-        return self._next(self.cell_timeout + 60)
+    def verdict(self) -> Verdict:
+        """The verdict of the cell asked for last (a failure when the tester gave none)."""
+        try:
+            verdict = Verdict.from_line(self._next(self.cell_timeout + 60))
+        except ContractError as exc:
+            return Verdict.failure(self.grade_id, str(exc))
+        if verdict.grade_id != self.grade_id:
+            return Verdict.failure(self.grade_id, f"the grader's tester answered for {verdict.grade_id!r:.80}")
+        return verdict
 
     def stop(self) -> None:
         """End the tester."""
@@ -102,9 +111,9 @@ class TrustedExecute(Execute):
 
     def preprocess(self, nb: NotebookNode, resources: Any = None, km: Any = None) -> Any:
         """Start the tester next to the kernel, run the notebook, end the tester."""
-        self.tester = TesterProcess(Path(self.source_notebook), Path(self.tester_socket),
-                                    self.tester_timeout or float(self.timeout or 120),
-                                    self.tester_env or dict(os.environ), Path(self.tester_socket).parent)
+        args = TesterArgs(Path(self.source_notebook), Path(self.tester_socket),
+                          self.tester_timeout or float(self.timeout or 120))
+        self.tester = TesterProcess(args, self.tester_env or dict(os.environ), args.socket.parent)
         try:
             return super().preprocess(nb, resources, km)
         finally:
@@ -143,7 +152,8 @@ class TrustedExecute(Execute):
             outs.append(new_output("stream", name="stdout", text=TRUNCATED.format(self.max_output_bytes // 2**20)))
         return None
 
-def _judge(cell: NotebookNode, verdict: dict[str, Any]) -> None:
+
+def _judge(cell: NotebookNode, verdict: Verdict) -> None:
     """Give a test cell its outputs: the student's printing as text, the test's printing, the tester's error."""
     printed = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.get("name") != "stderr")
     errors = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.get("name") == "stderr")
@@ -152,10 +162,10 @@ def _judge(cell: NotebookNode, verdict: dict[str, Any]) -> None:
         cell.outputs.append(new_output("stream", name="stdout", text=STUDENT_OUTPUT_LABEL + printed[-100_000:]))
     if errors:  # a test cell that writes to stderr fails, as nbgrader scores it (harmless library noise is dropped)
         cell.outputs.append(new_output("stream", name="stderr", text=errors[-100_000:]))
-    if verdict.get("output"):
-        cell.outputs.append(new_output("stream", name="stdout", text=str(verdict["output"])))
-    if verdict.get("passed") is True and not verdict.get("error"):
+    if verdict.output:
+        cell.outputs.append(new_output("stream", name="stdout", text=verdict.output))
+    if verdict.passed and verdict.error is None:
         return
-    name, value = (list(verdict.get("error") or []) + ["TestFailed", "the test failed"])[:2]
-    value = (HIDDEN_FAILURE if verdict.get("hidden") else VISIBLE_FAILURE) + str(value)
+    name, value = verdict.error or ("TestFailed", "the test failed")
+    value = (HIDDEN_FAILURE if verdict.hidden else VISIBLE_FAILURE) + value
     cell.outputs.append(new_output("error", ename=str(name), evalue=str(value), traceback=[f"{name}: {value}"]))

@@ -31,8 +31,6 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
-import json
-import math
 import os
 import secrets
 import shutil
@@ -45,13 +43,14 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 import psutil
 
 from .config import DEFAULT_CELL_TIMEOUT, DEFAULT_SUBMISSION_TIMEOUT, SECRET_VARIABLE, child_environment
+from .contracts import ContractError, Grade, Status, WorkerArgs, WorkerResult
 from .course import Course, graded_points, read_notebook
 from .intake import (
     MAX_NOTEBOOK_BYTES,
@@ -65,23 +64,12 @@ from .intake import (
     shown,
     write_whole,
 )
+from .limits import IPC_BYTES, Limits
 from .logs import last_relevant_line
 from .release import ReleaseError, generate_assignments
-from .sandbox import (
-    DEFAULT_DISK_BYTES,
-    DEFAULT_MAX_PROCESSES,
-    DEFAULT_MEMORY_BYTES,
-    DISK_VARIABLE,
-    IPC_BYTES,
-    Cgroup,
-    check_available,
-    in_private_tmpfs,
-    private_tmpfs_available,
-    unenforced_limits,
-    uses_gpu,
-)
+from .sandbox import Cgroup, check_available, in_private_tmpfs, private_tmpfs_available, unenforced_limits
 
-__all__ = ["FORMULA_STARTS", "Grade", "Submission", "find_submissions", "grade_submissions", "write_grades"]
+__all__ = ["FORMULA_STARTS", "Submission", "find_submissions", "grade_submissions", "write_grades"]
 
 GRADES_COLUMNS = ["student_id", "chapter", "score", "max_score", "status", "message"]
 DETAIL_COLUMNS = ["student_id", "chapter", "grade_id", "score", "max_score"]
@@ -108,20 +96,7 @@ class Submission:
     # The folder names on disk below SUBMISSIONS: (student,) or (student, chapter).
     names: tuple[str, ...]
     # (status, message) when the names alone rule grading out.
-    problem: tuple[str, str] | None = None
-
-
-@dataclass
-class Grade:
-    """The outcome for one submission: a row of grades.csv and its rows of grades_detail.csv."""
-
-    student_id: str
-    chapter: str
-    score: float
-    max_score: float
-    status: str
-    message: str = ""
-    cells: list[tuple[str, float, float]] = field(default_factory=list)
+    problem: tuple[Status, str] | None = None
 
 
 def find_submissions(submissions_dir: Path, chapter: str | None = None) -> list[Submission]:
@@ -145,7 +120,7 @@ def scan_submissions(submissions_dir: Path, chapter: str | None = None) -> tuple
         for entry in _entries(root):
             student = shown(entry.name)
             if entry.is_symlink():
-                link = ("invalid_submission", f"the folder {LINK_MESSAGE}")
+                link = (Status.INVALID_SUBMISSION, f"the folder {LINK_MESSAGE}")
                 found.append(Submission(student, "", (entry.name,), link))
             elif entry.is_dir(follow_symlinks=False):
                 found += _chapter_folders(root, entry.name, ignored)
@@ -159,14 +134,14 @@ def scan_submissions(submissions_dir: Path, chapter: str | None = None) -> tuple
 def _chapter_folders(root: int, name: str, ignored: list[str]) -> list[Submission]:
     """The submissions in the student folder ``name`` of the folder ``root``; a line in ``ignored`` per stray file."""
     student, reason = shown(name), id_problem(name)
-    problem = ("invalid_id", f"{reason}: rename the folder") if reason else None
+    problem = (Status.INVALID_ID, f"{reason}: rename the folder") if reason else None
     found = []
     try:
         with _opened(open_folder(name, root)) as folder:
             for entry in _entries(folder):
                 chapter = shown(entry.name)
                 if entry.is_symlink():
-                    link = ("invalid_submission", f"the chapter folder {LINK_MESSAGE}")
+                    link = (Status.INVALID_SUBMISSION, f"the chapter folder {LINK_MESSAGE}")
                     found.append(Submission(student, chapter, (name, entry.name), problem or link))
                 elif entry.is_dir(follow_symlinks=False):
                     found.append(Submission(student, chapter, (name, entry.name), problem))
@@ -174,7 +149,7 @@ def _chapter_folders(root: int, name: str, ignored: list[str]) -> list[Submissio
                     ignored.append(f"ignored {student}/{chapter}: a submission belongs in "
                                    "<student_id>/<chapter>/<chapter>.ipynb")
     except (OSError, RefusedFile) as exc:
-        unreadable = ("invalid_submission", f"cannot read the folder: {exc}")
+        unreadable = (Status.INVALID_SUBMISSION, f"cannot read the folder: {exc}")
         return [Submission(student, "", (name,), problem or unreadable)]
     return found or ([Submission(student, "", (name,), problem)] if problem else [])
 
@@ -223,8 +198,8 @@ def precheck(sub: Submission, submissions_dir: Path, max_scores: dict[str, float
     if sub.chapter not in max_scores:
         known = ", ".join(max_scores) or "(none)"
         message = f"no chapter '{sub.chapter}' in solutions/ (chapters: {known})"
-        return Grade(sub.student_id, sub.chapter, 0, 0, "unknown_chapter", message)
-    fail = Grade(sub.student_id, sub.chapter, 0, max_scores[sub.chapter], "invalid_submission")
+        return Grade(sub.student_id, sub.chapter, 0, 0, Status.UNKNOWN_CHAPTER, message)
+    fail = Grade(sub.student_id, sub.chapter, 0, max_scores[sub.chapter], Status.INVALID_SUBMISSION)
     name = f"{sub.chapter}.ipynb"
     try:
         with _submission_folder(submissions_dir, sub.names) as folder:
@@ -232,19 +207,19 @@ def precheck(sub: Submission, submissions_dir: Path, max_scores: dict[str, float
                 data = read_regular(name, MAX_NOTEBOOK_BYTES, dir_fd=folder)
             except FileNotFoundError:
                 found = ", ".join(shown(n) for n in sorted(os.listdir(folder))[:10]) or "nothing"
-                fail.status, fail.message = "missing_notebook", f"expected {name}; found: {found}"
+                fail.status, fail.message = Status.MISSING_NOTEBOOK, f"expected {name}; found: {found}"
                 return fail
     except TooLarge as exc:
-        fail.status, fail.message = "invalid_notebook", str(exc)
+        fail.status, fail.message = Status.INVALID_NOTEBOOK, str(exc)
         return fail
     except RefusedFile as exc:
         fail.message = f"{exc}: the grader reads only plain files and folders, never through a link"
         return fail
     except OSError as exc:
-        fail.status, fail.message = "error", f"could not read {name}: {exc.strerror or exc}"
+        fail.status, fail.message = Status.ERROR, f"could not read {name}: {exc.strerror or exc}"
         return fail
     if not data:
-        fail.status, fail.message = "invalid_notebook", "the file is empty"
+        fail.status, fail.message = Status.INVALID_NOTEBOOK, "the file is empty"
         return fail
     return data
 
@@ -263,23 +238,22 @@ def grade_submissions(
     cell_timeout: int = DEFAULT_CELL_TIMEOUT,
     sandbox: bool = True,
     force: bool = False,
-    max_processes: int = DEFAULT_MAX_PROCESSES,
-    memory_bytes: int = DEFAULT_MEMORY_BYTES,
-    disk_bytes: int = DEFAULT_DISK_BYTES,
+    limits: Limits | None = None,
     report: Callable[[str], None] = _print_flushed,
 ) -> list[Grade]:
     """Grade every submission, write grades.csv, grades_detail.csv and feedback/ into ``out_dir``; return the grades.
 
-    Raises SandboxUnavailable when ``sandbox`` is asked for and bubblewrap is missing. A
-    submission graded by an earlier run into the same ``out_dir`` (same notebook bytes, same
-    source notebook) is not graded again unless ``force``. Limits this machine cannot enforce
-    are reported once, first.
+    ``limits`` confines each kernel (``autograder.limits``; its defaults when None). Raises
+    SandboxUnavailable when ``sandbox`` is asked for and bubblewrap is missing. A submission
+    graded by an earlier run into the same ``out_dir`` (same notebook bytes, same source notebook)
+    is not graded again unless ``force``. Limits this machine cannot enforce are reported once, first.
     """
     if sandbox:
         check_available()
-    for line in unenforced_limits(sandbox, max_processes, memory_bytes):
-        report(f"warning: {line}")
     jobs = jobs or os.cpu_count() or 1
+    limits = replace(limits or Limits(), sandbox=sandbox, jobs=jobs, private_ipc=sandbox and private_tmpfs_available())
+    for line in unenforced_limits(limits):
+        report(f"warning: {line}")
     submissions, ignored = scan_submissions(submissions_dir, chapter)
     for line in ignored:
         report(line)
@@ -295,19 +269,18 @@ def grade_submissions(
         if chapters:
             report(f"building the gradebook of {', '.join(chapters)} from {course.solutions} ...")
         template_db, broken = _build_gradebook(course, chapters, scratch / "template")
-        limits = _Limits(sandbox, max_processes, memory_bytes, disk_bytes, sandbox and private_tmpfs_available())
-        runner = _Runner(course, scratch, template_db, out_dir, max_scores, jobs, timeout, cell_timeout, limits)
+        runner = _Runner(course, scratch, template_db, out_dir, max_scores, timeout, cell_timeout, limits)
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             futures = [pool.submit(runner.run, job) for job in todo if job.sub.chapter not in broken]
             for job in todo:
                 if job.sub.chapter in broken:
-                    grade = Grade(job.sub.student_id, job.sub.chapter, 0, max_scores[job.sub.chapter], "error",
+                    grade = Grade(job.sub.student_id, job.sub.chapter, 0, max_scores[job.sub.chapter], Status.ERROR,
                                   broken[job.sub.chapter])
                     grades.append(grade)
                     progress.done(grade, 0.0)
             for future in as_completed(futures):
                 job, grade, seconds = future.result()
-                if grade.status != "error":  # a grader failure may be passing: try it again next time
+                if grade.status is not Status.ERROR:  # a grader failure may be passing: try it again next time
                     done.save(job.key, grade)
                 grades.append(grade)
                 progress.done(grade, seconds)
@@ -322,7 +295,7 @@ def grade_submissions(
 def _remove_stale_feedback(grades: Sequence[Grade], out_dir: Path, max_scores: dict[str, float]) -> None:
     """Remove the feedback page an earlier run left for a submission that is not ok now."""
     for g in grades:
-        if g.status not in ("ok", "invalid_id") and g.chapter in max_scores:
+        if g.status not in (Status.OK, Status.INVALID_ID) and g.chapter in max_scores:
             try:
                 (out_dir / "feedback" / g.student_id / f"{g.chapter}.html").unlink(missing_ok=True)
             except OSError:  # not ours to clean (a file where a student's feedback folder would be)
@@ -358,7 +331,7 @@ def _sort_out(
 
 def write_grades(grades: Sequence[Grade], out_dir: Path, cell_order: dict[str, list[str]]) -> None:
     """Write grades.csv (a row per submission) and grades_detail.csv (a row per graded cell, in notebook order)."""
-    rows = [[g.student_id, g.chapter, _number(g.score), _number(g.max_score), g.status, g.message] for g in grades]
+    rows = [[g.student_id, g.chapter, _number(g.score), _number(g.max_score), str(g.status), g.message] for g in grades]
     _write_csv(out_dir / "grades.csv", GRADES_COLUMNS, rows)
     detail = []
     for g in grades:
@@ -377,7 +350,7 @@ def write_export(grades: Sequence[Grade], out_dir: Path, course_chapters: Sequen
     chapters = sorted({g.chapter for g in grades if g.chapter in course_chapters})
     by_student: dict[str, dict[str, Grade]] = {}
     for g in grades:
-        if g.status != "invalid_id":
+        if g.status is not Status.INVALID_ID:
             by_student.setdefault(g.student_id, {}).update({g.chapter: g} if g.chapter in chapters else {})
     max_total = {c: max((g.max_score for g in grades if g.chapter == c), default=0) for c in chapters}
     rows = []
@@ -404,18 +377,6 @@ def _cell(text: str) -> str:
 def _number(x: float) -> str:
     """A score as written in the CSV files: 3, 2.5."""
     return f"{float(x):g}"
-
-
-@dataclass(frozen=True)
-class _Limits:
-    """How each submission's kernel is confined."""
-
-    sandbox: bool
-    max_processes: int
-    memory_bytes: int
-    disk_bytes: int
-    # Whether the kernel's IPC folder is a private tmpfs (``autograder.sandbox.in_private_tmpfs``).
-    private_ipc: bool
 
 
 @dataclass(frozen=True)
@@ -466,53 +427,20 @@ class _DoneStore:
     def load(self, key: str, sub: Submission) -> Grade | None:
         """The grade of an earlier run of exactly this submission, or None."""
         try:
-            record = json.loads(read_regular(self.folder / f"{key}.json", MAX_RECORD_BYTES))
-            return Grade(sub.student_id, sub.chapter, _score(record["score"]), _score(record["max_score"]),
-                         _text(record["status"]), _text(record["message"]), _cells(record["cells"]))
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):  # missing or spoiled: grade it again
+            return Grade.from_json(read_regular(self.folder / f"{key}.json", MAX_RECORD_BYTES), sub.student_id,
+                                   sub.chapter)
+        except (OSError, ContractError):  # missing or spoiled: grade it again
             return None
 
     def save(self, key: str, grade: Grade) -> None:
         """Record a finished grade (written whole, through a temporary name)."""
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            write_whole(self.folder / f"{key}.json", json.dumps(grade.__dict__).encode())
+            write_whole(self.folder / f"{key}.json", grade.to_json().encode())
         except OSError as exc:
             if not self.warned:
                 self.report(f"warning: cannot record grades in {self.folder} for resuming ({exc}); grading goes on")
             self.warned = True
-
-
-def _score(value: object) -> float:
-    """A score read back from JSON: a finite number, else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"not a score: {value!r:.50}")
-    return float(value)
-
-
-def _text(value: object) -> str:
-    """A text field read back from JSON: a string, else ValueError."""
-    if not isinstance(value, str):
-        raise ValueError(f"not a text: {value!r:.50}")
-    return value
-
-
-def _cells(value: object) -> list[tuple[str, float, float]]:
-    """Per-cell grades read back from JSON: ``[[grade_id, score, max_score], ...]``, else ValueError."""
-    if not isinstance(value, list) or not all(isinstance(c, list) and len(c) == 3 for c in value):
-        raise ValueError("not a list of cell grades")
-    return [(_text(name), _score(score), _score(max_score)) for name, score, max_score in value]
-
-
-def _worker_grade(result: object, sub: Submission, max_score: float) -> Grade:
-    """The grade in a worker's result.json; raises ValueError when it is malformed."""
-    if not isinstance(result, dict):
-        raise ValueError("the worker's result is not a JSON object")
-    status, message = _text(result.get("status")), _text(result.get("message", ""))
-    if status != "ok":
-        return Grade(sub.student_id, sub.chapter, 0, max_score, status, message)
-    return Grade(sub.student_id, sub.chapter, _score(result.get("score")), _score(result.get("max_score")), status,
-                 message, _cells(result.get("cells")))
 
 
 def _build_gradebook(course: Course, chapters: list[str], folder: Path) -> tuple[Path, dict[str, str]]:
@@ -531,14 +459,14 @@ class _Runner:
 
     def __init__(
         self, course: Course, scratch: Path, template_db: Path, out_dir: Path, max_scores: dict[str, float],
-        jobs: int, timeout: float, cell_timeout: int, limits: _Limits,
+        timeout: float, cell_timeout: int, limits: Limits,
     ):
         self.course, self.scratch, self.template_db, self.out_dir = course, scratch, template_db, out_dir
         self.max_scores, self.limits = max_scores, limits
         self.timeout, self.cell_timeout = timeout, cell_timeout
         self.env = child_environment(course.root)
         # Each kernel gets its share of the cores instead of all of them.
-        self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+        self.env.setdefault("OMP_NUM_THREADS", str(limits.kernel_threads))
         # Drawn once per run: the hidden tests' inputs (course_lib.exercises.checks.hidden_seed); only the testers see it.
         self.env[SECRET_VARIABLE] = str(secrets.randbits(31))
 
@@ -549,44 +477,41 @@ class _Runner:
             grade = self._grade(job)
         except Exception as exc:  # whatever goes wrong with one submission must not stop the others
             message = f"{type(exc).__name__}: {exc}"
-            grade = Grade(job.sub.student_id, job.sub.chapter, 0, self.max_scores[job.sub.chapter], "error", message)
+            grade = Grade(job.sub.student_id, job.sub.chapter, 0, self.max_scores[job.sub.chapter], Status.ERROR, message)
         return job, grade, time.monotonic() - start
 
     def _grade(self, job: _Job) -> Grade:
         """Check the staged notebook in a child, add the gradebook, run the worker, read its result."""
         sub, work = job.sub, job.folder(self.scratch)
-        fail = Grade(sub.student_id, sub.chapter, 0, self.max_scores[sub.chapter], "invalid_notebook")
+        fail = Grade(sub.student_id, sub.chapter, 0, self.max_scores[sub.chapter], Status.INVALID_NOTEBOOK)
         problem = check_notebook(work / "submitted" / job.internal / sub.chapter / f"{sub.chapter}.ipynb", self.env)
         if problem:
             fail.message = problem
             return fail
-        fail.status = "error"
+        fail.status = Status.ERROR
         shutil.copyfile(self.template_db, work / "gradebook.db")
         result_file, log_file = work / "result.json", work / "worker.log"
-        command = [
-            sys.executable, "-m", "autograder.worker", "--scratch", str(work), "--source", str(self.course.solutions),
-            "--chapter", sub.chapter, "--student", job.internal, "--cell-timeout", str(self.cell_timeout),
-            "--result", str(result_file),
-        ]
-        if not self.limits.sandbox:
-            command.append("--no-sandbox")
-        if not uses_gpu():
-            command += ["--memory-bytes", str(self.limits.memory_bytes)]
+        args = WorkerArgs(work, self.course.solutions, sub.chapter, job.internal, self.cell_timeout, result_file,
+                          self.limits.disk_bytes, self.limits.sandbox, self.limits.kernel_address_space)
+        command = [sys.executable, "-m", "autograder.worker", *args.argv()]
         if self.limits.private_ipc:
             (work / "ipc").mkdir()
             command = in_private_tmpfs(work / "ipc", IPC_BYTES, command)
         timed_out, returncode = self._run_worker(command, work, log_file)
         if timed_out:
-            fail.status, fail.message = "timeout", f"grading took longer than {self.timeout:g} s and was stopped"
+            fail.status, fail.message = Status.TIMEOUT, f"grading took longer than {self.timeout:g} s and was stopped"
             return fail
         try:
-            result = json.loads(read_regular(result_file, MAX_RESULT_BYTES))
+            result = WorkerResult.from_json(read_regular(result_file, MAX_RESULT_BYTES))
         except FileNotFoundError:
             log = read_regular(log_file, MAX_LOG_TAIL_BYTES, tail=True).decode("utf-8", "replace")
             fail.message = f"grader exited with status {returncode}: {last_relevant_line(log)}"
             return fail
-        grade = _worker_grade(result, sub, self.max_scores[sub.chapter])
-        if grade.status == "ok":
+        except ContractError as exc:
+            fail.message = f"the grader's worker wrote an unreadable result: {exc}"
+            return fail
+        grade = Grade.from_result(result, sub.student_id, sub.chapter, self.max_scores[sub.chapter])
+        if grade.status is Status.OK:
             try:
                 self._keep_feedback(work, job)
             except RefusedFile as exc:
@@ -597,10 +522,8 @@ class _Runner:
     def _run_worker(self, command: list[str], work: Path, log_file: Path) -> tuple[bool, int]:
         """Run the worker with the time limit; return whether it was stopped for taking too long, and its exit status."""
         with open(log_file, "wb") as log:
-            env = {**self.env, MARKER_VARIABLE: f"{os.getpid()}-{work.name}",
-                   DISK_VARIABLE: str(self.limits.disk_bytes)}
-            memory = self.limits.memory_bytes if uses_gpu() else None
-            cgroup = Cgroup(f"autograder-{env[MARKER_VARIABLE]}", self.limits.max_processes, memory)
+            env = {**self.env, MARKER_VARIABLE: f"{os.getpid()}-{work.name}"}
+            cgroup = Cgroup(f"autograder-{env[MARKER_VARIABLE]}", self.limits.max_processes, self.limits.cgroup_memory)
             proc = subprocess.Popen(
                 command, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
             )
@@ -661,13 +584,13 @@ class _Progress:
             self.count += 1
             width = len(str(self.total))
             line = f"[{self.count:{width}d}/{self.total}] {grade.student_id} {grade.chapter}: {grade.status}"
-            line += f" {_number(grade.score)}/{_number(grade.max_score)}" if grade.status == "ok" else f" ({grade.message})"
+            line += f" {_number(grade.score)}/{_number(grade.max_score)}" if grade.status is Status.OK else f" ({grade.message})"
             line += (f" in {seconds:.1f} s" if seconds else "") + (" (from an earlier run)" if resumed else "")
             self.report(shown(line))
 
     def summary(self, grades: Sequence[Grade], out_dir: Path) -> None:
         """Report the counts per status and where the results are."""
-        counts = Counter(g.status for g in grades)
-        parts = ", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=lambda kv: (kv[0] != "ok", kv[0])))
+        counts = Counter(str(g.status) for g in grades)
+        parts = ", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=lambda kv: (kv[0] != Status.OK, kv[0])))
         self.report(f"graded {len(grades)} submission(s) in {time.monotonic() - self.start:.1f} s: {parts or 'nothing'}")
         self.report(f"wrote {out_dir / 'grades.csv'}, {out_dir / 'grades_detail.csv'} and {out_dir / 'feedback'}/")

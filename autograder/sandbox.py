@@ -15,10 +15,9 @@ A submission's kernel runs as ``bwrap ... python -m autograder.kernel -f CONNECT
   reaches the kernel);
 - limits: a cgroup per submission with a pids limit (process and thread count), a CPU weight
   (the submission's processes share the CPU as one, however many they start or whichever
-  session they move to) and, where a GPU is used, a memory limit; on a CPU the kernel also sets
-  ``RLIMIT_AS`` on itself (see ``autograder.kernel``). ``RLIMIT_NPROC`` is no help here: it is
-  not enforced for root, nor across a user namespace. ``unenforced_limits`` says which of these
-  a machine cannot enforce.
+  session they move to) and, where a GPU is used, a memory limit. The policy (which limit, by
+  which mechanism, on which machine) is ``autograder.limits``; ``unenforced_limits`` says which
+  of these a machine cannot enforce.
 """
 
 from __future__ import annotations
@@ -35,22 +34,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import autograder
+import course_lib
+
+from .limits import DEFAULT_DISK_BYTES, Limits, uses_gpu
+
 __all__ = [
-    "DEFAULT_DISK_BYTES", "DEFAULT_MAX_PROCESSES", "DEFAULT_MEMORY_BYTES", "DISK_VARIABLE", "IPC_BYTES", "KERNEL_NAME",
-    "Cgroup", "KernelSandbox", "SandboxUnavailable", "bwrap_path", "bwrap_supports_size", "check_available", "in_private_tmpfs",
-    "kernel_environment", "private_tmpfs_available", "unenforced_limits", "uses_gpu",
+    "KERNEL_NAME", "Cgroup", "KernelSandbox", "SandboxUnavailable", "bwrap_path", "bwrap_supports_size", "check_available",
+    "in_private_tmpfs", "kernel_environment", "private_tmpfs_available", "unenforced_limits",
 ]
 
 KERNEL_NAME = "autograder-sandbox"
-# The kernel and what it starts: 4 gloo ranks with their threads fit easily; a fork bomb does not.
-DEFAULT_MAX_PROCESSES = 512
-DEFAULT_MEMORY_BYTES = 8 * 2**30
-# The size of the kernel's /tmp and of its working folder, each (tmpfs: it is memory when used).
-DEFAULT_DISK_BYTES = 2**30
-# Set by the grader in the worker's environment (the worker builds the kernel command): overrides DEFAULT_DISK_BYTES.
-DISK_VARIABLE = "AUTOGRADER_DISK_BYTES"
-# The tmpfs of the kernel's IPC folder: sockets, the connection file and small records only.
-IPC_BYTES = 64 * 2**20
 # Every submission's cgroup gets the default weight: submissions share the CPU equally, each as one.
 CPU_WEIGHT_V2, CPU_SHARES_V1 = 100, 1024
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -88,11 +82,6 @@ def bwrap_supports_size() -> bool:
     return "--size" in result.stdout + result.stderr
 
 
-def disk_bytes() -> int:
-    """The size of the kernel's /tmp and of its working folder, each: ``DISK_VARIABLE`` when set, else the default."""
-    return int(os.environ.get(DISK_VARIABLE) or DEFAULT_DISK_BYTES)
-
-
 def in_private_tmpfs(folder: Path, size: int, command: list[str]) -> list[str]:
     """``command`` run in a mount namespace of its own, with a fresh tmpfs of ``size`` bytes on ``folder``.
 
@@ -118,10 +107,11 @@ def private_tmpfs_available() -> bool:
         return probe.returncode == 0
 
 
-def unenforced_limits(sandboxed: bool, max_processes: int, memory_bytes: int) -> list[str]:
+def unenforced_limits(limits: Limits) -> list[str]:
     """The limits this machine cannot enforce, a sentence each (none when every limit holds)."""
     missing = []
-    probe = Cgroup(f"autograder-probe-{os.getpid()}", max_processes, memory_bytes if uses_gpu() else None)
+    sandboxed = limits.sandbox
+    probe = Cgroup(f"autograder-probe-{os.getpid()}", limits.max_processes, limits.cgroup_memory)
     try:
         if not probe.limits_processes:
             missing.append("no writable pids cgroup controller (cgroup v1 pids, or v2 with pids delegated): the "
@@ -143,16 +133,8 @@ def unenforced_limits(sandboxed: bool, max_processes: int, memory_bytes: int) ->
     return missing
 
 
-def uses_gpu() -> bool:
-    """True when an NVIDIA device is present: then memory is limited by a cgroup, never by RLIMIT_AS."""
-    return Path("/dev/nvidiactl").exists()
-
-
 def _python_roots() -> list[Path]:
     """The folders the kernel's Python needs: the environment, its base interpreter, the installed packages."""
-    import autograder
-    import course_lib
-
     roots = {Path(sys.prefix), Path(sys.base_prefix), Path(os.path.realpath(sys.executable)).parent.parent}
     roots |= {Path(course_lib.__file__).resolve().parent, Path(autograder.__file__).resolve().parent}
     return sorted(roots)
@@ -166,13 +148,14 @@ class KernelSandbox:
     ipc_dir: Path
     env: dict[str, str]
     sandboxed: bool = True
+    disk_bytes: int = DEFAULT_DISK_BYTES  # the size of its /tmp and of its working folder, each
 
     def argv(self) -> list[str]:
         """The kernelspec argv (``{connection_file}`` is filled in by jupyter_client)."""
         kernel = [sys.executable, "-m", "autograder.kernel", "-f", "{connection_file}"]
         if not self.sandboxed:
             return kernel
-        size = ["--size", str(disk_bytes())] if bwrap_supports_size() else []
+        size = ["--size", str(self.disk_bytes)] if bwrap_supports_size() else []
         args = [bwrap_path() or "bwrap", "--die-with-parent", "--unshare-net", "--unshare-pid", "--unshare-ipc",
                 "--unshare-uts", "--new-session", "--clearenv", "--proc", "/proc", "--dev", "/dev",
                 *size, "--tmpfs", "/tmp"]

@@ -11,7 +11,7 @@ signal it. For each test cell the worker asks for, it:
    whose calls, iteration and attributes are forwarded to the kernel;
 3. runs the unchanged test source there. Values come back through the safe loader of
    ``autograder.wire`` (exact types only), so comparisons, messages and points are computed here;
-4. writes the verdict, one JSON line, for the worker.
+4. writes the verdict (``autograder.contracts.Verdict``), one JSON line, for the worker.
 
 Test helpers that must run where the student's objects live (an autograd backward through the
 student's module, a check that a builtin is not used) are sent to the kernel by value with
@@ -21,12 +21,10 @@ simulated clock) stay here with ``course_lib.exercises.checks.by_reference`` and
 
 from __future__ import annotations
 
-import argparse
 import ast
 import builtins
 import contextlib
 import io
-import json
 import os
 import pickle
 import queue
@@ -35,15 +33,21 @@ import sys
 import threading
 import time
 import traceback
+import types
 import weakref
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import torch
+
+from course_lib.exercises import checks as testing
+from course_lib.support import dist
 
 from . import wire
 from .agent import REFERENCE_MESSAGE
 from .config import SECRET_VARIABLE
+from .contracts import TESTER_READY, CellRequest, ContractError, TesterArgs, Verdict
 from .course import HIDDEN_BEGIN, HIDDEN_END, is_test_cell, read_notebook
 
 __all__ = ["RemoteObject", "Tester", "main"]
@@ -243,8 +247,6 @@ class Channel:
 
     def reference_launch(self, fn: Any, world_size: int, args: tuple, kwargs: dict) -> list[Any]:
         """``fn`` in ranks forked from the tester, with the course's reference in place of each student name."""
-        from course_lib.support import dist
-
         references = self.tester.reference_objects()
         namespace = self.tester.namespace
         saved = {name: namespace[name] for name in references if name in namespace}
@@ -291,8 +293,6 @@ class _Pickler(cloudpickle.CloudPickler):
         return self._references(obj)
 
     def reducer_override(self, obj: Any) -> Any:
-        import torch
-
         if type(obj) is torch.Tensor and obj.dtype.itemsize == 1 and obj.dtype not in (torch.uint8, torch.int8, torch.bool) \
                 and not obj.is_meta:
             return wire.view_as_dtype, (obj.view(torch.uint8), str(obj.dtype).removeprefix("torch."))
@@ -316,10 +316,6 @@ class ChannelClosed(RuntimeError):
 
 def _kept_here(obj: Any) -> bool:
     """Whether ``obj`` stays with the tester when sent: generators, and what a test marked ``by_reference``."""
-    import types
-
-    from course_lib.exercises import checks as testing
-
     return isinstance(obj, types.GeneratorType) or testing.is_by_reference(obj)
 
 
@@ -361,8 +357,6 @@ def _write_back(args: tuple, kwargs: dict, states: Any) -> None:
 
 def _apply(value: Any, state: Any) -> None:
     """Copy one argument's reported state into ``value`` where the shapes agree; ignore what does not fit."""
-    import torch
-
     if state is None:
         return
     if isinstance(value, torch.nn.Module) and type(state) is dict:
@@ -404,7 +398,7 @@ def _apply(value: Any, state: Any) -> None:
             if key in value and _is_container(value[key]):
                 _apply(value[key], item_state)
             else:
-                value[key] = item_state[0] if type(item_state) is tuple and len(item_state) == 2 else _plain(item_state)
+                value[key] = item_state[0] if type(item_state) is tuple and len(item_state) == 2 else item_state
     elif type(state) is dict and "attributes" in state and type(value).__module__.startswith("course_lib."):
         for key, item_state in (state["attributes"] or {}).items():
             if type(key) is str and not key.startswith("__") and hasattr(value, key):
@@ -413,23 +407,14 @@ def _apply(value: Any, state: Any) -> None:
                     _apply(current, item_state)
                 else:
                     with contextlib.suppress(AttributeError, TypeError):
-                        setattr(value, key, _plain(item_state))
+                        setattr(value, key, item_state)
 
 
 def _is_container(value: Any) -> bool:
-    import torch
-
     return isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, list, tuple, dict))
 
 
-def _plain(state: Any) -> Any:
-    """A reported value that is not a container: itself (the states of tensors are (data, grad) pairs)."""
-    return state
-
-
 def _copy_tensor(target: Any, data: Any) -> None:
-    import torch
-
     if isinstance(data, torch.Tensor) and data.shape == target.shape and data.dtype == target.dtype:
         with torch.no_grad():
             target.copy_(data)
@@ -472,8 +457,6 @@ class Tester:
 
     def references(self, grade_id: str) -> list[str]:
         """``module:qualname`` of each course_lib object with the name of a function this exercise asks for."""
-        import types
-
         found = []
         for value in list(self.namespace.values()):
             if isinstance(value, types.ModuleType) and value.__name__.startswith("course_lib"):
@@ -485,8 +468,6 @@ class Tester:
 
     def reference_objects(self) -> dict[str, Any]:
         """Each student name that a course_lib module imported by the notebook also defines, with that object."""
-        import types
-
         found: dict[str, Any] = {}
         for value in list(self.namespace.values()):
             if isinstance(value, types.ModuleType) and value.__name__.startswith("course_lib"):
@@ -496,11 +477,13 @@ class Tester:
                         found.setdefault(name, obj)
         return found
 
-    def run(self, grade_id: str, token: str) -> dict[str, Any]:
+    def run(self, grade_id: str, token: str) -> Verdict:
         """Run one test cell against the kernel that connects with ``token``; return its verdict."""
+        if grade_id not in self.tests:
+            return Verdict.failure(grade_id, f"the source notebook has no test cell {grade_id!r:.80}")
         deadline = time.monotonic() + self.cell_timeout
         out = io.StringIO()
-        verdict: dict[str, Any] = {"grade_id": grade_id, "passed": False, "error": None}
+        passed, error, hidden, trace = False, None, False, ""
         channel = None
         try:
             sock = self._accept(token, deadline)
@@ -511,24 +494,21 @@ class Tester:
             for name, value in channel.names(self.student_names).items():
                 self.namespace[name] = RemoteObject(channel, name, value._type_name) \
                     if type(value) is RemoteObject else value
-            from course_lib.exercises import checks as testing
-
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), testing.sending_to(channel), \
                     testing.secret_seed(self.secret) if self.secret is not None else contextlib.nullcontext():
                 exec(compile(self.tests[grade_id], f"<test {grade_id}>", "exec"), self.namespace)
-            verdict["passed"] = True
+            passed = True
         except BaseException as exc:  # every way of failing is the verdict of this cell, never the tester's end
-            verdict["error"] = [type(exc).__name__, str(exc)[:4000]]
-            verdict["hidden"] = _failed_in_hidden_part(exc, f"<test {grade_id}>", self.tests[grade_id])
+            error = (type(exc).__name__, str(exc)[:4000])
+            hidden = _failed_in_hidden_part(exc, f"<test {grade_id}>", self.tests[grade_id])
             if not isinstance(exc, (AssertionError, TimeoutError, ChannelClosed, NameError, wire.WireError)):
-                verdict["traceback"] = traceback.format_exception_only(type(exc), exc)[-1][:4000]
+                trace = traceback.format_exception_only(type(exc), exc)[-1][:4000]
         finally:
             if channel is not None:
                 with contextlib.suppress(OSError):
                     channel.send(("done", 0, None))
                 channel.sock.close()
-        verdict["output"] = out.getvalue()[-200_000:]
-        return verdict
+        return Verdict(grade_id, passed, error, hidden, trace, out.getvalue()[-200_000:])
 
     def _accept(self, token: str, deadline: float) -> socket.socket:
         """The kernel's connection for this cell (the first one that says ``token``)."""
@@ -596,21 +576,20 @@ def _top_level_names(tree: ast.Module) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line of the tester (started by the worker): one JSON request per line in, one verdict per line out."""
-    parser = argparse.ArgumentParser(prog="python -m autograder.tester", description=__doc__)
-    parser.add_argument("--source", type=Path, required=True, help="the chapter's source notebook in solutions/")
-    parser.add_argument("--socket", type=Path, required=True, help="where to listen for the kernel")
-    parser.add_argument("--cell-timeout", type=float, required=True)
-    args = parser.parse_args(argv)
+    """Command line of the tester (started by the worker): one CellRequest per line in, one Verdict per line out."""
+    args = TesterArgs.parse(argv)
     reply = sys.stdout
     sys.stdout = sys.stderr  # whatever else prints must not mix with the verdicts
     secret = os.environ.pop(SECRET_VARIABLE, None)
     tester = Tester(args.source, args.socket, args.cell_timeout, int(secret) if secret else None)
-    print(json.dumps({"ready": True}), file=reply, flush=True)
+    print(TESTER_READY, file=reply, flush=True)
     for line in sys.stdin:
-        request = json.loads(line)
-        verdict = tester.run(request["grade_id"], request["token"])
-        print(json.dumps(verdict), file=reply, flush=True)
+        try:
+            request = CellRequest.from_line(line)
+        except ContractError as exc:
+            print(Verdict.failure("", str(exc)).to_line(), end="", file=reply, flush=True)
+            continue
+        print(tester.run(request.grade_id, request.token).to_line(), end="", file=reply, flush=True)
     return 0
 
 

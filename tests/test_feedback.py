@@ -6,6 +6,7 @@ from pathlib import Path
 
 import nbformat
 
+from autograder.contracts import Verdict
 from autograder.execute import HIDDEN_FAILURE, VISIBLE_FAILURE, _judge
 from autograder.maths import to_mathml
 from autograder.tester import _failed_in_hidden_part
@@ -39,7 +40,7 @@ def test_a_failure_in_a_hidden_statement_is_hidden_even_inside_a_visible_helper(
 def test_the_judged_cell_says_which_kind_of_case_failed() -> None:
     for hidden, prefix in ((True, HIDDEN_FAILURE), (False, VISIBLE_FAILURE)):
         cell = nbformat.v4.new_code_cell("x")
-        _judge(cell, {"passed": False, "error": ["AssertionError", "got 13.0, expected 15.0"], "hidden": hidden})
+        _judge(cell, Verdict("ex1", False, ("AssertionError", "got 13.0, expected 15.0"), hidden))
         error = cell.outputs[-1]
         assert error.evalue == prefix + "got 13.0, expected 15.0", error
 
@@ -93,13 +94,12 @@ HIDDEN_CODE = "assert double(-7) == -14"
 def _judged_cell(double: object) -> nbformat.NotebookNode:
     """The test cell after the tester ran it against ``double`` and the judge gave it its outputs."""
     grade_id = "ex1_double"
-    verdict: dict[str, object] = {"grade_id": grade_id, "passed": False, "error": None}
     try:
         exec(compile(DOUBLE_TEST, f"<test {grade_id}>", "exec"), {"double": double})
-        verdict["passed"] = True
+        verdict = Verdict(grade_id, True)
     except AssertionError as exc:
-        verdict["error"] = [type(exc).__name__, str(exc)]
-        verdict["hidden"] = _failed_in_hidden_part(exc, f"<test {grade_id}>", DOUBLE_TEST)
+        verdict = Verdict(grade_id, False, (type(exc).__name__, str(exc)),
+                          _failed_in_hidden_part(exc, f"<test {grade_id}>", DOUBLE_TEST))
     cell = nbformat.v4.new_code_cell(DOUBLE_TEST, metadata={"nbgrader": {
         "grade": True, "solution": False, "locked": True, "points": 1, "grade_id": grade_id, "score": 0}})
     _judge(cell, verdict)
@@ -149,7 +149,8 @@ def test_a_visible_failure_is_marked_as_visible() -> None:
 def test_grades_csv_keeps_every_failure_message_whole(tmp_path: Path) -> None:
     import csv
 
-    from autograder.grade import Grade, write_grades
+    from autograder.contracts import Grade
+    from autograder.grade import write_grades
     from autograder.worker import failed_tests
 
     messages = [f"case {i}: got 13.0, expected 15.0 at index (3, {i}); " + "the sum drifts, " * 20 + "see the docstring"

@@ -5,8 +5,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
-from autograder.pin import PINNED_DIRECTORY, pinned_cell_ids
+from pin_outputs import PINNED_DIRECTORY, pinned_cell_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted(p.name for p in (ROOT / "solutions").iterdir() if p.is_dir() and p.name[:2].isdigit())
@@ -18,7 +17,7 @@ def test_pinned_outputs_match_marked_cells(chapter: str) -> None:
     marked = set(pinned_cell_ids(notebook))
     path = ROOT / PINNED_DIRECTORY / f"{chapter}.json"
     recorded = set(json.loads(path.read_text())) if path.exists() else set()
-    fix = f"run `.venv/bin/python -m autograder pin {chapter}`"
+    fix = f"run `.venv/bin/python tests/pin_outputs.py {chapter}`"
     assert not marked - recorded, f"{chapter}: pinned cells without a recorded output {sorted(marked - recorded)}; {fix}"
     assert not recorded - marked, f"{chapter}: recorded outputs for cells no longer pinned {sorted(recorded - marked)}; {fix}"
     for cell_id in marked:

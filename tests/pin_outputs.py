@@ -1,22 +1,28 @@
 """Record the outputs of the solution cells marked ``# NBVAL_CHECK_OUTPUT``, for nbval to compare against.
 
-Solution notebooks are stored without outputs, so the expected output of a pinned cell is kept
-beside the tests, in ``tests/pinned_outputs/<chapter>.json`` (cell id -> outputs). The project's
-``conftest.py`` hands those outputs to nbval. Pin only output that is the same on every device.
+``.venv/bin/python tests/pin_outputs.py [CHAPTER ...]`` (default: every chapter) executes each
+chapter's solution notebook and writes ``tests/pinned_outputs/<chapter>.json`` (cell id -> outputs).
+Solution notebooks are stored without outputs; the project's ``conftest.py`` hands these outputs to
+nbval, and ``tests/test_pinned_outputs.py`` checks that every marked cell has one. Pin only output
+that is the same on a CPU and on a GPU. Exit status: 0 recorded; 1 a notebook failed to run.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 
-__all__ = ["PINNED_DIRECTORY", "pin_chapter", "pinned_cell_ids"]
+__all__ = ["PINNED_DIRECTORY", "main", "pin_chapter", "pinned_cell_ids"]
 
 PIN_MARKER = "# NBVAL_CHECK_OUTPUT"
 PINNED_DIRECTORY = Path("tests") / "pinned_outputs"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def pinned_cell_ids(notebook: nbformat.NotebookNode) -> list[str]:
@@ -45,3 +51,25 @@ def pin_chapter(course_root: Path, chapter: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(outputs, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
     return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Pin the chapters named (every chapter when none is); exit status 1 when a notebook fails to run."""
+    parser = argparse.ArgumentParser(prog="python tests/pin_outputs.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("chapters", nargs="*", metavar="CHAPTER", help="chapter folder names (default: every chapter)")
+    known = sorted(p.name for p in (ROOT / "solutions").iterdir() if (p / f"{p.name}.ipynb").is_file())
+    chapters = parser.parse_args(argv).chapters or known
+    for chapter in chapters:
+        if chapter not in known:
+            parser.error(f"no chapter {chapter!r} in solutions/ (chapters: {', '.join(known)})")
+        try:
+            print(f"pinned {pin_chapter(ROOT, chapter).relative_to(ROOT)}", flush=True)
+        except CellExecutionError as exc:
+            print(f"error: {chapter} failed to run: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

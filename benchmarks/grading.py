@@ -1,4 +1,4 @@
-"""Grading throughput: ``python -m autograder.bench [--submissions N] [--jobs J] [--chapter C]``.
+"""Grading throughput: ``python -m benchmarks.grading [--submissions N] [--jobs J] [--chapter C]``.
 
 Makes N copies of a chapter's solution notebook as N students' submissions, grades them with
 ``grade --jobs J`` in the sandbox, and prints the wall time, the submissions per minute and the
@@ -15,15 +15,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from .course import Course, default_course_root
-from .grade import grade_submissions
+from autograder.contracts import Status
+from autograder.course import Course, default_course_root
+from autograder.grade import grade_submissions
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; exit 0 when every copy was graded with full marks."""
-    parser = argparse.ArgumentParser(prog="python -m autograder.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.grading", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--submissions", type=int, default=100, metavar="N")
     parser.add_argument("--jobs", type=int, default=2, metavar="J")
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         grades = grade_submissions(course, subs, out, jobs=args.jobs, sandbox=not args.no_sandbox,
                                    report=lambda line: None)
         seconds = time.monotonic() - start
-    full = sum(g.status == "ok" and g.score == g.max_score for g in grades)
+    full = sum(g.status is Status.OK and g.score == g.max_score for g in grades)
     print(f"{args.submissions} submissions of {args.chapter}, --jobs {args.jobs}, "
           f"{'no sandbox' if args.no_sandbox else 'sandbox'}, {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}): "
           f"{seconds:.0f} s wall, {60 * args.submissions / seconds:.1f} submissions/min, "
