@@ -3,7 +3,8 @@
 A submission's kernel runs as ``bwrap ... python -m autograder.kernel -f CONNECTION_FILE``:
 
 - file system: read-only binds of the system (``/usr``, ``/lib*``, a few ``/etc`` files), the
-  Python environment and the installed ``course_lib`` and ``autograder`` packages, nothing else.
+  Python environment, the installed ``course_lib`` and ``autograder`` packages and the committed
+  GPU records (``benchmarks/results``), nothing else.
   The working folder (the notebook's folder, as nbgrader expects) and ``/tmp`` are private
   tmpfs of ``--size`` bytes each: nothing the kernel writes there reaches the host's disk, and
   nothing is ever copied out. The one folder bound writable is the one of the kernel's IPC
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import autograder
 import course_lib
+from course_lib.support.records import RESULTS
 
 from .limits import DEFAULT_DISK_BYTES, Limits, uses_gpu
 
@@ -165,6 +167,8 @@ class KernelSandbox:
             args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
         for root in _python_roots():
             args += ["--ro-bind", str(root), str(root)]
+        # The committed GPU records the notebooks render their "on a GPU" figures from: plain data.
+        args += ["--ro-bind-try", str(RESULTS), str(RESULTS)]
         if uses_gpu():
             for device in (*_NVIDIA_DEVICES, *sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))):
                 args += ["--dev-bind-try", device, device]

@@ -92,17 +92,19 @@ def accumulate(
     ``reduction`` says what ``loss_fn`` returns for a micro-batch. ``"mean"``: each micro-batch
     loss is divided by ``micro_batches`` before ``backward``, since the sum of k means of equal
     parts, each over k, is the mean over the whole batch. ``"sum"``: the micro-batch sums add up
-    to the batch's sum unscaled. ``.grad`` is not zeroed here.
+    to the batch's sum unscaled. ``.grad`` is not zeroed here. The losses are added on the device
+    and read once at the end: a ``.item()`` per micro-batch would make the host wait for the GPU
+    k times per step, and the host could no longer queue the next micro-batch ahead.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     scale = micro_batches if reduction == "mean" else 1
-    total = 0.0
+    losses = []
     for *inputs, target in split_micro_batches(batch, micro_batches):
         loss = loss_fn(model(*inputs), target) / scale
         loss.backward()
-        total += loss.item()
-    return total
+        losses.append(loss.detach())
+    return float(torch.stack(losses).sum())
 
 
 def accumulated_gradients(

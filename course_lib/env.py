@@ -62,11 +62,20 @@ _QUIET = [
 ]
 
 
+# Libraries whose own deprecation notices are not about the student's code (a DeprecationWarning is
+# attributed to the module of the frame ``stacklevel`` names: the library's, or the caller's).
+_QUIET_DEPRECATIONS = (r"(?:torch|triton|numpy|matplotlib|tqdm|jupyter_client|jupyter_core|ipykernel|IPython|traitlets|zmq)"
+                       r"(?:\.|$)")
+
+
 def quiet_warnings() -> None:
-    """Silence the known-harmless warnings listed in ``_QUIET`` (and deprecations from libraries)."""
+    """Silence the known-harmless warnings listed in ``_QUIET``, and deprecations raised inside libraries.
+
+    A DeprecationWarning attributed to the student's own code (the notebook, ``__main__``) still shows.
+    """
     for pattern, category in _QUIET:
         warnings.filterwarnings("ignore", message=pattern, category=category)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=_QUIET_DEPRECATIONS)
 
 
 def seed_everything(seed: int = SEED) -> None:

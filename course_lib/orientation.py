@@ -1,7 +1,10 @@
 """Chapter 00 (orientation): the environment check and first back-of-the-envelope timings.
 
-Reference implementations of the chapter's exercises, plus datasheet figures of the GPUs the
-course quotes, so that later chapters reason from the same numbers.
+Reference implementations of the chapter's exercises, plus the figures of the GPUs the course
+quotes, so that later chapters reason from the same numbers. Two kinds of figure, kept apart:
+what a device reports about itself (SMs, memory, L2, shared memory and registers per SM: read
+with ``read_gpu_spec`` wherever a GPU is present) and what only a datasheet gives (peak rates and
+memory bandwidth, which must be measured to be known on a real machine).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ __all__ = [
     "H100_SXM",
     "H200_SXM",
     "device_report",
+    "read_gpu_spec",
     "tensor_read_time",
     "roofline",
 ]
@@ -27,7 +31,10 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """Vendor figures for one GPU: memory, bandwidths, peak rates and on-chip storage per SM."""
+    """Figures of one GPU: memory, bandwidth, peak rates and on-chip storage per SM.
+
+    ``reported`` names the fields read from a device (``read_gpu_spec``); the others are datasheet figures.
+    """
 
     name: str
     sms: int
@@ -38,6 +45,7 @@ class GPUSpec:
     l2_bytes: float
     smem_per_sm_bytes: float
     registers_per_sm_bytes: float
+    reported: tuple[str, ...] = ()
 
 
 # NVIDIA H100 Tensor Core GPU Architecture whitepaper (Hopper) and the H100 datasheet, SXM5 part.
@@ -53,8 +61,33 @@ H100_SXM = GPUSpec(
     registers_per_sm_bytes=256 * 2**10,
 )
 
-# NVIDIA H200 datasheet: the same Hopper chip as the H100 SXM with 141 GB of HBM3e at 4.8 TB/s.
-H200_SXM = dataclasses.replace(H100_SXM, name="H200 SXM", hbm_bytes=141e9, hbm_bytes_per_s=4.8e12)
+# NVIDIA H200 datasheet: the same Hopper chip as the H100 SXM with 141 GB of HBM3e at 4.8 TB/s. The
+# datasheet gives no L2 size; the course's H200 reports 62914560 bytes (60 MiB) in
+# torch.cuda.get_device_properties(0).L2_cache_size, against the H100 SXM's 50 MiB.
+H200_SXM = dataclasses.replace(H100_SXM, name="H200 SXM", hbm_bytes=141e9, hbm_bytes_per_s=4.8e12, l2_bytes=60 * 2**20)
+
+
+def read_gpu_spec(datasheet: GPUSpec, device: int = 0) -> GPUSpec:
+    """``datasheet`` with every figure that CUDA device ``device`` reports about itself read from it instead.
+
+    Read: name, SMs, memory, L2 size, shared memory and registers per SM. Kept from the datasheet:
+    bandwidth and peak rates, which a device does not report. ``reported`` lists the fields read.
+    """
+    props = torch.cuda.get_device_properties(device)
+    reported = ["name", "sms", "hbm_bytes", "l2_bytes", "smem_per_sm_bytes"]
+    registers = getattr(props, "regs_per_multiprocessor", None)  # not in every torch release
+    if registers:
+        reported.append("registers_per_sm_bytes")
+    return dataclasses.replace(
+        datasheet,
+        name=props.name,
+        sms=props.multi_processor_count,
+        hbm_bytes=float(props.total_memory),
+        l2_bytes=float(props.L2_cache_size),
+        smem_per_sm_bytes=float(props.shared_memory_per_multiprocessor),
+        registers_per_sm_bytes=float(registers * 4) if registers else datasheet.registers_per_sm_bytes,  # 32-bit each
+        reported=tuple(reported),
+    )
 
 
 def device_report() -> dict[str, Any]:

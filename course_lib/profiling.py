@@ -1,6 +1,8 @@
 """Timing that tells the truth, reading profiles, and the roofline model (chapter 03).
 
-- ``benchmark`` / ``Timing``: warm-up, device synchronisation, repeats, median and spread.
+- ``benchmark`` / ``Timing``: warm-up, repeats, median and spread; on a GPU the device's time
+  (launch gap outside the interval, L2 flushed, optionally amortised or replayed as a CUDA graph).
+- ``naive_event_timing``, ``compare_timers``: the timer not to use, and five timers side by side.
 - ``plot_timings``: medians with their spread on an axis that starts at zero.
 - ``time_calls`` and ``SimulatedDevice``: a timer with an injected clock, and a fake asynchronous
   device to test it on.
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -29,6 +32,9 @@ from course_lib.orientation import GPUSpec, roofline
 __all__ = [
     "Timing",
     "benchmark",
+    "naive_event_timing",
+    "TIMERS",
+    "compare_timers",
     "plot_timings",
     "SimulatedDevice",
     "time_calls",
@@ -92,40 +98,148 @@ def _uses_cuda(device: torch.device | str | None) -> bool:
     return torch.device(device).type == "cuda"
 
 
+WARMUP_SECONDS = 0.025
+
+
 def benchmark(
     fn: Callable[..., Any],
     *args: Any,
     warmup: int = 3,
     repeat: int = 20,
     device: torch.device | str | None = None,
+    flush_l2: bool = True,
+    calls: int = 1,
+    cuda_graph: bool = False,
     **kwargs: Any,
 ) -> Timing:
-    """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then ``repeat`` timed ones.
+    """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then ``repeat`` timed repeats of ``calls`` calls each.
 
-    On a CUDA device each call is bracketed by CUDA events and the host waits for the
-    device before reading them, so the time is the kernel's, not the launch's. On the
-    CPU each call is timed with ``time.perf_counter``.
+    On a GPU the warm-up also lasts at least ``WARMUP_SECONDS`` (at most 1000 calls), so that the
+    clocks of an idle GPU have ramped up.
+
+    Each repeat's time is divided by ``calls``, so a ``Timing`` is always seconds per call.
+
+    On a CUDA device the interval is what the GPU spent, not what the host waited for:
+
+    - before each repeat a buffer twice the size of the L2 cache (as the device reports it, and
+      at least 256 MiB) is zeroed (``flush_l2``), so the inputs come from HBM as they would inside a training step;
+      with ``flush_l2=False`` a short sleep kernel is queued instead, for working sets meant to
+      stay in L2;
+    - either way the stream is busy when the start event is recorded, so the host's launch of
+      ``fn`` happens while the GPU works on that filler, and the launch gap, an idle stream's
+      few microseconds, stays outside the interval (an event recorded on an idle stream fires at
+      once, before ``fn``'s kernels are even queued);
+    - events are read after one synchronisation at the end, not after each repeat;
+    - ``calls > 1`` amortises what is left of the per-call launch cost over back-to-back calls
+      (all but the first see a warm cache); ``cuda_graph=True`` captures the ``calls`` calls in a
+      CUDA graph once and times its replays, so the host launches one graph per repeat.
+
+    On the CPU each repeat is timed with ``time.perf_counter`` (``flush_l2`` and ``cuda_graph``
+    do nothing there). ValueError unless repeat >= 1, calls >= 1 and warmup >= 0.
     """
-    if repeat < 1 or warmup < 0:
-        raise ValueError(f"need repeat >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
-    for _ in range(warmup):
+    if repeat < 1 or warmup < 0 or calls < 1:
+        raise ValueError(f"need repeat >= 1, calls >= 1 and warmup >= 0, got repeat={repeat}, calls={calls}, "
+                         f"warmup={warmup}")
+    cuda = _uses_cuda(device)
+    warm_start, done = time.perf_counter(), 0
+    # On a GPU, warm up for at least WARMUP_SECONDS as well, waiting for each call: an idle GPU runs
+    # at low clocks, and a few calls of a short kernel end before the clocks have ramped up.
+    while done < warmup or (cuda and done < 1000 and time.perf_counter() - warm_start < WARMUP_SECONDS):
         fn(*args, **kwargs)
-    times: list[float] = []
-    if _uses_cuda(device):
-        torch.cuda.synchronize()
-        for _ in range(repeat):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*args, **kwargs)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    else:
+        if cuda:
+            torch.cuda.synchronize()
+        done += 1
+    if not cuda:
+        times = []
         for _ in range(repeat):
             t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(*args, **kwargs)
+            times.append((time.perf_counter() - t0) / calls)
+        return Timing(times)
+    run = _captured(fn, args, kwargs, calls) if cuda_graph else lambda: [fn(*args, **kwargs) for _ in range(calls)]
+    filler = _l2_flush if flush_l2 else _busy_wait
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
+    torch.cuda.synchronize()
+    for start, end in pairs:
+        filler()
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    return Timing([start.elapsed_time(end) / 1e3 / calls for start, end in pairs])
+
+
+@functools.cache
+def _flush_buffer(device_index: int) -> torch.Tensor:
+    """A buffer of twice the L2 size this GPU reports, and at least 256 MiB: zeroing it evicts the cache.
+
+    At 256 MiB the write also lasts long enough (tens of microseconds) for the host to launch the
+    timed call behind it, even when the host is slow.
+    """
+    l2 = torch.cuda.get_device_properties(device_index).L2_cache_size
+    return torch.empty(max(2 * l2, 2**28) // 4, dtype=torch.int32, device=f"cuda:{device_index}")
+
+
+def _l2_flush() -> None:
+    """Queue a write of the flush buffer on the current stream."""
+    _flush_buffer(torch.cuda.current_device()).zero_()
+
+
+def _busy_wait() -> None:
+    """Queue a kernel that spins for about 0.1 ms (keeps the stream busy while the host launches)."""
+    torch.cuda._sleep(200_000)
+
+
+def _captured(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], calls: int) -> Callable[[], None]:
+    """``calls`` calls of ``fn`` captured in a CUDA graph; the returned function replays it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # capture needs the allocator and kernels warmed on a side stream
+        fn(*args, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
             fn(*args, **kwargs)
-            times.append(time.perf_counter() - t0)
+    return graph.replay
+
+
+def naive_event_timing(fn: Callable[[], Any], repeat: int = 100) -> Timing:
+    """One call between two CUDA events recorded on an idle stream, per repeat: the timer *not* to use.
+
+    The stream is idle when the start event is recorded, so the GPU passes it at once, while the
+    host is still launching ``fn``'s kernels: the launch gap is inside the interval. Kept to show
+    the error side by side with ``benchmark``.
+    """
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
     return Timing(times)
+
+
+TIMERS = ("naive event pair", "profiling.benchmark", "triton do_bench", "amortised over 100 calls (warm L2)",
+          "CUDA graph of 100 calls (warm L2)")
+
+
+def compare_timers(fn: Callable[[], Any], repeat: int = 200) -> dict[str, float]:
+    """Median seconds per call of ``fn()`` by each timer of ``TIMERS``, in one process (CUDA only)."""
+    import triton.testing
+
+    benchmark(fn, warmup=10, repeat=1)  # ramps up the GPU's clocks before the first timer, not during it
+    return {
+        TIMERS[0]: naive_event_timing(fn, repeat).median,
+        TIMERS[1]: benchmark(fn, warmup=10, repeat=repeat).median,
+        TIMERS[2]: triton.testing.do_bench(fn, warmup=25, rep=repeat, return_mode="median") / 1e3,
+        TIMERS[3]: benchmark(fn, warmup=10, repeat=max(1, repeat // 4), flush_l2=False, calls=100).median,
+        TIMERS[4]: benchmark(fn, warmup=10, repeat=max(1, repeat // 4), flush_l2=False, calls=100, cuda_graph=True).median,
+    }
 
 
 def plot_timings(

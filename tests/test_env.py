@@ -53,5 +53,15 @@ def test_known_warnings_are_silenced() -> None:
         env.quiet_warnings()
         # stacklevel=1 (the default): the warnings are attributed to this module, as a library's own would be to it.
         warnings.warn("This DataLoader will create 4 worker processes ... does not have many workers", UserWarning, stacklevel=1)
-        warnings.warn("old api", DeprecationWarning, stacklevel=1)
+        # a library's own deprecation notice: attributed to a torch module
+        warnings.warn_explicit("old api", DeprecationWarning, "torch/old.py", 1, module="torch.old")
     assert caught == []
+
+
+def test_deprecations_caused_by_the_students_code_still_show() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        env.quiet_warnings()
+        warnings.warn_explicit("my_helper is deprecated", DeprecationWarning, "<ipython-input-3>", 2, module="__main__")
+        warnings.warn_explicit("old course helper", DeprecationWarning, "course_lib/x.py", 5, module="course_lib.x")
+    assert [str(w.message) for w in caught] == ["my_helper is deprecated", "old course helper"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from course_lib import env
-from course_lib.orientation import H100_SXM, H200_SXM, device_report, roofline, tensor_read_time
+from course_lib.orientation import H100_SXM, H200_SXM, device_report, read_gpu_spec, roofline, tensor_read_time
 
 
 def test_device_report_keys_and_values_follow_env() -> None:
@@ -29,6 +29,23 @@ def test_device_report_on_a_gpu() -> None:
     props = torch.cuda.get_device_properties(0)
     assert report["sms"] == props.multi_processor_count > 0
     assert report["gpu_memory_gib"] == round(props.total_memory / 2**30, 1)
+
+
+@pytest.mark.gpu
+def test_the_gpu_spec_reads_what_the_device_reports() -> None:
+    props = torch.cuda.get_device_properties(0)
+    spec = read_gpu_spec(H200_SXM)
+    assert spec.l2_bytes == props.L2_cache_size and spec.sms == props.multi_processor_count
+    assert spec.hbm_bytes == props.total_memory and spec.smem_per_sm_bytes == props.shared_memory_per_multiprocessor
+    assert {"name", "sms", "hbm_bytes", "l2_bytes"} <= set(spec.reported)
+    assert spec.hbm_bytes_per_s == H200_SXM.hbm_bytes_per_s, "bandwidth and peak rates stay the datasheet's"
+    if "H200" in props.name:
+        assert spec.l2_bytes == H200_SXM.l2_bytes, "the H200's L2, as the course's H200 reported it"
+
+
+def test_datasheet_specs_say_they_are_datasheet_figures() -> None:
+    assert H100_SXM.reported == H200_SXM.reported == ()
+    assert H200_SXM.l2_bytes == 62914560 and H100_SXM.l2_bytes == 50 * 2**20
 
 
 def test_device_report_returns_a_fresh_dict() -> None:

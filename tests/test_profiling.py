@@ -57,6 +57,15 @@ def test_timing_summary() -> None:
 def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="repeat >= 1"):
         benchmark(lambda: None, repeat=0)
+    with pytest.raises(ValueError, match="calls >= 1"):
+        benchmark(lambda: None, calls=0)
+
+
+def test_amortised_repeats_report_seconds_per_call() -> None:
+    calls = []
+    timing = benchmark(lambda: (calls.append(1), time.sleep(0.002)), warmup=1, repeat=3, calls=4, device="cpu")
+    assert len(calls) == 1 + 3 * 4 and len(timing.times) == 3
+    assert 0.0018 < timing.median < 0.02, "each repeat's time is divided by its number of calls"
 
 
 @pytest.mark.gpu
@@ -65,6 +74,51 @@ def test_cuda_timing_waits_for_the_kernel() -> None:
     timing = benchmark(torch.mm, a, a, warmup=2, repeat=5)
     # A 4096^3 matmul is 137 GFLOP: no GPU does it in under 50 us, so a launch-only time would show.
     assert timing.median > 50e-6
+
+
+def _do_bench_median(fn: object) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["add 1M fp32", "matmul 512 bf16", "matmul 2048 bf16"])
+def test_cuda_timing_agrees_with_do_bench(case: str) -> None:
+    # An event pair around one call on an idle stream also counts the host's launch gap: on the
+    # H200 a 1M-element add read 16 us that way against 8 us with do_bench. The course's timer
+    # must read what do_bench reads, within 15%.
+    if case.startswith("add"):
+        x, y = torch.randn(2**20, device="cuda"), torch.randn(2**20, device="cuda")
+        fn = lambda: torch.add(x, y)  # noqa: E731
+    else:
+        n = int(case.split()[1])
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        fn = lambda: torch.mm(a, a)  # noqa: E731
+    ours = benchmark(fn, warmup=10, repeat=200).median
+    theirs = _do_bench_median(fn)
+    assert abs(ours / theirs - 1) < 0.15, f"{case}: benchmark {ours * 1e6:.1f} us, do_bench {theirs * 1e6:.1f} us"
+
+
+@pytest.mark.gpu
+def test_cuda_timing_flushes_l2_unless_told_not_to() -> None:
+    # 8 MiB read + 8 MiB written fits in any recent GPU's L2: without the flush, back-to-back
+    # copies are served from the cache and run faster than with it.
+    src = torch.randn(2**21, device="cuda")
+    dst = torch.empty_like(src)
+    cold = benchmark(dst.copy_, src, warmup=5, repeat=100).median
+    warm = benchmark(dst.copy_, src, warmup=5, repeat=100, flush_l2=False, calls=20).median
+    assert warm < cold, f"warm L2 {warm * 1e6:.1f} us is not below flushed {cold * 1e6:.1f} us"
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_time_the_same_work() -> None:
+    x = torch.randn(2**20, device="cuda")
+    out = torch.empty_like(x)
+    direct = benchmark(torch.mul, x, 2.0, out=out, warmup=5, repeat=50, calls=10).median
+    graphed = benchmark(torch.mul, x, 2.0, out=out, warmup=5, repeat=50, calls=10, cuda_graph=True).median
+    assert torch.equal(out, x * 2.0)
+    assert 0.5 < graphed / direct < 1.5, f"graph {graphed * 1e6:.1f} us against direct {direct * 1e6:.1f} us"
 
 
 # ---- time_calls on a simulated asynchronous device -------------------------------------------

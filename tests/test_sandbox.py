@@ -43,6 +43,9 @@ def test_kernel_command_binds_only_what_the_kernel_needs(tmp_path: Path) -> None
     assert "/" not in bound and str(ROOT) not in bound
     assert not any(Path(b).is_relative_to(ROOT / "solutions") or Path(b) == ROOT / "notebooks" for b in bound)
     assert argv[argv.index("--") + 1:][-3:] == ["autograder.kernel", "-f", "{connection_file}"]
+    records = str(ROOT / "benchmarks" / "results")
+    assert any(argv[i:i + 3] == ["--ro-bind-try", records, records] for i in range(len(argv))), \
+        "the committed GPU records the notebooks render are readable, read-only"
 
 
 def test_grading_keeps_folders_already_on_jupyter_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

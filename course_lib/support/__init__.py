@@ -8,6 +8,7 @@
 - ``timeline``: spans on a shared clock (``Timeline``) and their Gantt chart (``plot_gantt``).
 - ``comm``: a recorder of the ``torch.distributed`` calls made inside a block (count, bytes, spans, forbid).
 - ``timing``: timing a call made by all ranks together (``time_in_ranks``).
+- ``records``: the committed records of GPU runs that notebooks render their GPU figures from.
 """
 
-__all__ = ["comm", "dist", "fallback", "sizes", "timeline", "timing", "torchrun"]
+__all__ = ["comm", "dist", "fallback", "records", "sizes", "timeline", "timing", "torchrun"]
