@@ -252,8 +252,14 @@ def ring_shift(tensors: Sequence[torch.Tensor]) -> _Pending:
 
 
 def _sync(device: torch.device) -> None:
+    """On a GPU, wait for this rank's compute stream only (not NCCL's, where the next block is in flight).
+
+    Under NCCL a receive's ``wait()`` only makes the compute stream wait for the data; syncing
+    that stream after it makes the host wait until the block has arrived, so a "wait" span ends
+    when the data is there and the next "compute" span holds compute only.
+    """
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 # --------------------------------------------------------------------------------------------

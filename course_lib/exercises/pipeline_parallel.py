@@ -102,6 +102,18 @@ class SavedActivationMeter:
         self.samples.append((time.perf_counter(), self.live))
 
 
+def _settle(t: torch.Tensor) -> None:
+    """On a GPU, wait until the kernels queued so far on ``t``'s current stream have run.
+
+    The current stream only: it holds this stage's compute, and a receive's ``wait()`` under NCCL
+    makes this stream wait for the data. A span started after this starts once its input has
+    arrived, and one ended by it ends when its compute does, not when an in-flight send on NCCL's
+    own stream does (``torch.cuda.synchronize`` would wait for that too, counting it as work).
+    """
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+
+
 class _BackwardStart(torch.autograd.Function):
     """Identity; its backward runs first in the stage's backward pass: note the time, sleep the stage's backward delay."""
 
@@ -112,6 +124,7 @@ class _BackwardStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        _settle(grad)  # the incoming gradient has arrived: waiting for it is idle time, not B
         ctx.stage._b_start[ctx.mb] = Timeline.now()
         if ctx.stage.backward_delay > 0:
             time.sleep(ctx.stage.backward_delay)
@@ -129,8 +142,7 @@ class _BackwardEnd(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:
         stage = ctx.stage
-        if grad.is_cuda:  # kernels run asynchronously: wait for them, so the span ends when the work does
-            torch.cuda.synchronize(grad.device)
+        _settle(grad)  # kernels run asynchronously: the span ends when the stage's work does
         start = stage._b_start.pop(ctx.mb, None)
         if start is not None:
             stage.timeline.add(stage.lane, "B", ctx.mb, start, Timeline.now())
@@ -145,8 +157,9 @@ class Stage(nn.Module):
     ``lane`` (default "stage <rank>"), and its backward pass a span of kind "B".
     ``forward_delay`` / ``backward_delay`` seconds of sleep per micro-batch stand in for compute
     that a tiny model does not have. ``self.meter`` counts the activation bytes saved for
-    backward over time. On a GPU each span waits for its kernels
-    (``torch.cuda.synchronize``), so the timestamps mean something, at the price of that sync.
+    backward over time. On a GPU each span starts once its input has arrived and ends when its
+    kernels have run (the compute stream is synchronised at both ends, not the whole device, so an
+    in-flight send does not count as work), at the price of those syncs.
     """
 
     def __init__(self, layers: nn.Module, *, forward_delay: float = 0.0, backward_delay: float = 0.0,
@@ -172,12 +185,12 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mb = self._mb
         self._mb += 1
+        _settle(x)  # the micro-batch has arrived: waiting for it is idle time, not F
         start = Timeline.now()
         x = _BackwardEnd.apply(x, self._anchor, self, mb)
         with self.meter.track():
             y = self.layers(x)
-        if y.is_cuda:  # kernels run asynchronously: wait for them, so the span ends when the work does
-            torch.cuda.synchronize(y.device)
+        _settle(y)  # kernels run asynchronously: the span ends when the work does
         if self.forward_delay > 0:
             time.sleep(self.forward_delay)
         y = _BackwardStart.apply(y, self, mb)
