@@ -429,7 +429,7 @@ class _DoneStore:
         try:
             return Grade.from_json(read_regular(self.folder / f"{key}.json", MAX_RECORD_BYTES), sub.student_id,
                                    sub.chapter)
-        except (OSError, ContractError):  # missing or spoiled: grade it again
+        except (OSError, RefusedFile, ContractError):  # missing, not a regular file, or spoiled: grade it again
             return None
 
     def save(self, key: str, grade: Grade) -> None:

@@ -117,8 +117,9 @@ def test_cuda_graph_replays_time_the_same_work() -> None:
     out = torch.empty_like(x)
     direct = benchmark(torch.mul, x, 2.0, out=out, warmup=5, repeat=50, calls=10).median
     graphed = benchmark(torch.mul, x, 2.0, out=out, warmup=5, repeat=50, calls=10, cuda_graph=True).median
-    assert torch.equal(out, x * 2.0)
-    assert 0.5 < graphed / direct < 1.5, f"graph {graphed * 1e6:.1f} us against direct {direct * 1e6:.1f} us"
+    assert torch.equal(out, x * 2.0), "the replayed graph wrote the same result"
+    # Launched from Python, back-to-back multiplies of 4 MiB wait for the host; replayed, they do not.
+    assert 0.3e-6 < graphed <= direct * 1.1, f"graph {graphed * 1e6:.2f} us against direct {direct * 1e6:.2f} us"
 
 
 # ---- time_calls on a simulated asynchronous device -------------------------------------------
