@@ -94,15 +94,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Say plainly, at the end, when the sandboxed grading tests were skipped and how to run them."""
-    import shutil
+# Tests skipped because a system package is missing, and the make target that installs it.
+MISSING_TOOLS = {"bubblewrap is not installed": "sandbox-deps", "chromium is not installed": "browser-deps"}
 
-    ran_grading = any("test_adversarial" in str(r.nodeid) or "test_grading_host" in str(r.nodeid)
-                      for reports in terminalreporter.stats.values() for r in reports if hasattr(r, "nodeid"))
-    if ran_grading and shutil.which("bwrap") is None:
-        terminalreporter.write_sep("!", "security suite skipped", yellow=True)
-        terminalreporter.write_line(
-            "tests/test_adversarial.py and tests/test_grading_host.py did not run: bubblewrap (bwrap) is not "
-            "installed, so hostile submissions were not graded. Install it with `make sandbox-deps` (Debian/Ubuntu: "
-            "apt-get install bubblewrap) and run `make test` again.")
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """End with one line when tests were skipped for a missing system package: how many, which, and how to enable them."""
+    skipped: dict[str, set[str]] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        for missing in MISSING_TOOLS:
+            if missing in reason:
+                skipped.setdefault(missing, set()).add(report.nodeid)
+    if skipped:
+        files = {m: sorted({n.split("::")[0].rsplit("/", 1)[-1] for n in ids}) for m, ids in skipped.items()}
+        what = "; ".join(f"{m} ({', '.join(files[m])})" for m in skipped)
+        targets = " ".join(sorted({MISSING_TOOLS[m] for m in skipped}))
+        terminalreporter.write_line(f"{sum(map(len, skipped.values()))} tests skipped because {what}: "
+                                    f"run `make {targets}` (Debian/Ubuntu, as root), then `make test` again", yellow=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -33,8 +35,10 @@ __all__ = [
     "assert_matches_reference",
     "assert_same_across_ranks",
     "entry_main",
+    "explain_failure",
     "init_from_torchrun",
     "max_abs_error",
+    "rank_lines",
     "report_check",
     "report_result",
     "run_as_script",
@@ -157,27 +161,69 @@ class EntryRun:
 def run_entry(module: str, nproc: int, *args: str, timeout: float = 600.0) -> EntryRun:
     """Run ``torchrun --standalone --nproc_per_node nproc -m module *args`` from the project root; parse what it printed.
 
-    ``--standalone`` gives each run its own free port, so runs in parallel do not meet. Raises
-    RuntimeError, with the end of the output, when the run fails, times out or prints no RESULT.
+    ``--standalone`` gives each run its own free port, so runs in parallel do not meet; ``--tee 3``
+    prefixes every line a rank prints with its rank. Raises RuntimeError when the run fails, times
+    out or prints no RESULT, saying which rank failed first, how, and its first error line
+    (``explain_failure``), then the end of the output.
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", module, *args]
+               "--tee", "3", "-m", module, *args]
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     shown = f"torchrun --standalone --nproc_per_node {nproc} -m {module} {' '.join(args)}".rstrip()
     try:
         run = subprocess.run(command, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{shown}: still running after {timeout:g} s") from None
-    lines = run.stdout.splitlines()
+    except subprocess.TimeoutExpired as stopped:
+        partial = _text(stopped.stdout) + _text(stopped.stderr)
+        raise RuntimeError(f"{shown}: still running after {timeout:g} s\n{explain_failure(partial)}") from None
+    lines = rank_lines(run.stdout).get(0, [])
     results = [line.removeprefix("RESULT ") for line in lines if line.startswith("RESULT ")]
     if run.returncode != 0 or not results:
-        tail = "\n".join((run.stdout + run.stderr).splitlines()[-30:])
-        raise RuntimeError(f"{shown}: exit status {run.returncode}, {len(results)} RESULT line(s); last output:\n{tail}")
+        output = run.stdout + run.stderr
+        tail = "\n".join(output.splitlines()[-30:])
+        raise RuntimeError(f"{shown}: exit status {run.returncode}, {len(results)} RESULT line(s)\n"
+                           f"{explain_failure(output)}\nlast output:\n{tail}")
     checks = [line.removeprefix("CHECK ").split(" ok max_abs_err=")[0] for line in lines
               if line.startswith("CHECK ") and " ok max_abs_err=" in line]
-    return EntryRun(checks, json.loads(results[-1]), run.stdout)
+    return EntryRun(checks, json.loads(results[-1]), "\n".join(lines))
+
+
+_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
+# The first line of a failure in a rank's output: an exception, a C++ abort, a crash of the interpreter.
+_ERROR_LINE = re.compile(r"^(?:[\w.]*(?:Error|Exception|Interrupt|Exit)\b|terminate called|Fatal Python error|"
+                         r"Segmentation fault|Aborted)")
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def rank_lines(output: str) -> dict[int, list[str]]:
+    """The lines each rank printed, from the output of ``torchrun --tee 3`` (which prefixes them ``[default<rank>]:``)."""
+    found: dict[int, list[str]] = {}
+    for line in output.splitlines():
+        match = _RANK_PREFIX.match(line)
+        if match:
+            found.setdefault(int(match.group(1)), []).append(match.group(2))
+    return found
+
+
+def explain_failure(output: str) -> str:
+    """What went wrong in a torchrun run, from its output: which rank failed first and how, and each rank's first error line."""
+    parts = []
+    cause = _ROOT_CAUSE.search(output)
+    if cause:
+        rank, code = int(cause.group(1)), int(cause.group(2))
+        how = f"killed by signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
+            else f"exit code {code}"
+        parts.append(f"rank {rank} failed first ({how})")
+    for rank, lines in sorted(rank_lines(output).items()):
+        first = next((line.strip() for line in lines if _ERROR_LINE.match(line.strip())), None)
+        if first is not None:
+            parts.append(f"rank {rank}'s first error: {first}")
+    return "; ".join(parts) or "no rank printed an error line"
 
 
 # ---- the torchrun entries of the distributed chapters -----------------------------------------
