@@ -167,8 +167,17 @@ def _bias_gelu_eager(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.gelu(x + bias)
 
 
+def _bias_gelu_tanh(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x + bias, approximate="tanh")
+
+
+def _bias_add(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return x + bias
+
+
 def bias_gelu(sizes: Sizes) -> Iterator[Result]:
-    """Fused bias + GELU, bf16; torch.compile of the eager expression as context."""
+    """Fused bias + GELU, bf16; as context, torch.compile of the same expression, of its tanh approximation
+    and of the bias add alone (the same bytes with almost no arithmetic), which show what the exact erf costs."""
     rows, cols = sizes.bias_gelu
     x = torch.randn(rows, cols, device=DEVICE, dtype=torch.bfloat16)
     bias = torch.randn(cols, device=DEVICE, dtype=torch.bfloat16)
@@ -180,10 +189,12 @@ def bias_gelu(sizes: Sizes) -> Iterator[Result]:
     )
     result.reference = _gbps(num_bytes, _ms(lambda: _bias_gelu_eager(x, bias), sizes))
 
-    def measure_compiled() -> float:
-        compiled = torch.compile(_bias_gelu_eager)
-        compiled(x, bias)
-        return _gbps(num_bytes, _ms(lambda: compiled(x, bias), sizes))
+    def compiled_rate(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[], float]:
+        def measure_compiled() -> float:
+            compiled = torch.compile(fn)
+            compiled(x, bias)
+            return _gbps(num_bytes, _ms(lambda: compiled(x, bias), sizes))
+        return measure_compiled
 
     def measure() -> float:
         ours = _kernel("fusion", "bias_gelu")
@@ -193,7 +204,9 @@ def bias_gelu(sizes: Sizes) -> Iterator[Result]:
     # Ours first: measured after torch.compile in the same process, the same kernel ran at
     # 1,033 instead of 2,681 GB/s on the H200.
     _ours(result, measure)
-    _extra(result, "torch.compile", measure_compiled)
+    _extra(result, "torch.compile", compiled_rate(_bias_gelu_eager))
+    _extra(result, "torch.compile, tanh GELU", compiled_rate(_bias_gelu_tanh))
+    _extra(result, "torch.compile, bias add only", compiled_rate(_bias_add))
     torch.compiler.reset()
     yield result
 
@@ -322,13 +335,24 @@ def _attention_pair(
             _check_close(got, want, 2e-2, f"d{name}")
         return _tflops(2.5 * flops, _backward_ms(ours, grad_out, inputs, sizes))
 
+    def cudnn(part: str) -> Callable[[], float]:
+        # SDPA's cuDNN backend, the fastest attention PyTorch offers on Hopper: context beside the flash backend
+        def measure() -> float:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                if part == "fwd":
+                    return _tflops(flops, _ms(reference, sizes))
+                return _tflops(2.5 * flops, _backward_ms(reference, grad_out, inputs, sizes))
+        return measure
+
     _ours(fwd, measure_fwd)
     _ours(bwd, measure_bwd)
+    _extra(fwd, "SDPA, cuDNN backend", cudnn("fwd"))
+    _extra(bwd, "SDPA, cuDNN backend", cudnn("bwd"))
     return fwd, bwd
 
 
 def attention(sizes: Sizes) -> Iterator[Result]:
-    """FlashAttention forward and backward, bf16, non-causal and causal, against SDPA's flash backend."""
+    """FlashAttention forward and backward, bf16, non-causal and causal, against SDPA's flash backend; cuDNN's as context."""
     batch, heads, seq, dim = sizes.attention
     q, k, v = (
         torch.randn(batch, heads, seq, dim, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)

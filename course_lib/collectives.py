@@ -225,8 +225,9 @@ def ring_reduce_scatter(t: torch.Tensor) -> torch.Tensor:
 
     At step s (0 .. n-2) rank r sends its partial sum of chunk (r - s - 1) mod n to rank r + 1,
     receives the partial sum of chunk (r - s - 2) mod n from rank r - 1 and adds its own part.
-    After n - 1 steps the chunk it last received, r itself, holds all n contributions. Sends and
-    receives are posted together (isend + irecv), so the ring cannot deadlock. ``t`` is not changed.
+    After n - 1 steps the chunk it last received, r itself, holds all n contributions. Each step's
+    send and receive are posted together as one ``batch_isend_irecv``, so the ring cannot deadlock,
+    under gloo or NCCL. ``t`` is not changed.
     """
     rank, world = _me()
     acc = [c.clone() for c in torch.tensor_split(t, world)]

@@ -132,7 +132,13 @@ def decode_bits(bits: int, exp_bits: int, man_bits: int, finite_only: bool = Fal
 
 
 def round_to_format(x: float, fmt: FloatFormat) -> float:
-    """Round a Python float to the nearest value of ``fmt``, ties to even; overflow gives inf (NaN if finite_only)."""
+    """Round a Python float to the nearest value of ``fmt``, ties to even.
+
+    Overflow is non-saturating: a result beyond ``fmt.max_normal`` becomes +-inf, or NaN when
+    ``fmt.finite_only`` (e4m3fn has no infinity, so +-inf inputs give NaN there too). PyTorch's own
+    ``x.to(torch.float8_e4m3fn)`` returned NaN in version 2.11 but saturates to +-448 in newer
+    versions, so the two can disagree beyond 448 (values up to 464 round to 448 in both).
+    """
     if x == 0 or math.isnan(x):
         return x
     if math.isinf(x):
@@ -146,7 +152,11 @@ def round_to_format(x: float, fmt: FloatFormat) -> float:
 
 
 def encode_bits(x: float, fmt: FloatFormat) -> int:
-    """Bit pattern of ``x`` after rounding it to ``fmt`` (the inverse of decode_bits); NaN gets a quiet NaN."""
+    """Bit pattern of ``x`` after rounding it to ``fmt`` with round_to_format (the inverse of decode_bits).
+
+    NaN, and an overflow in a finite-only format, give a NaN pattern: the quiet NaN, or in a
+    finite-only format all exponent and mantissa bits set.
+    """
     r = round_to_format(x, fmt)
     sign = int(math.copysign(1.0, r) < 0) << (fmt.bits - 1)
     top = 2**fmt.exp_bits - 1

@@ -172,7 +172,8 @@ RULES: dict[str, str] = {
     "batch": "dp * micro_batch divides the global batch",
     "zero_stage": "the ZeRO stage is 0, 1, 2 or 3",
     "zero_dp": "ZeRO (stage > 0) needs dp * cp > 1: it shards over the ranks that hold the same weights",
-    "zero_pp": "ZeRO stages 2 and 3 do not combine with pipeline parallelism (pp > 1)",
+    "zero_pp": ("no ZeRO stage 2 or 3 with pipeline parallelism (pp > 1): the course follows DeepSpeed, "
+                "whose pipeline engine allows ZeRO-1 only"),
 }
 
 
@@ -201,7 +202,8 @@ def config_problems(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig)
         if cfg.zero > 0 and cfg.dp * cfg.cp == 1:
             found["zero_dp"] = "ZeRO shards over data-parallel ranks; with dp*cp = 1 there is nothing to shard"
         if cfg.zero >= 2 and cfg.pp > 1:
-            found["zero_pp"] = f"ZeRO stage {cfg.zero} does not combine with pipeline parallelism (pp={cfg.pp})"
+            found["zero_pp"] = (f"ZeRO stage {cfg.zero} with pipeline parallelism (pp={cfg.pp}): this planner, like DeepSpeed's "
+                                "pipeline engine, allows ZeRO-1 only with pp > 1")
     return found
 
 
@@ -273,10 +275,17 @@ def link_bandwidths(cluster: ClusterSpec, cfg: ParallelConfig) -> dict[str, floa
 def comm_wire_bytes(model: ModelSpec, cfg: ParallelConfig) -> dict[str, float]:
     """Bytes each GPU sends per step, by kind (bf16 values, ring algorithms).
 
-    tp   per layer and micro-batch, all-reduces of the (b, s/cp, h) activation: 2 forward and 2 backward
-         (3 forward with checkpointing, which repeats the forward); each costs 2 (tp-1)/tp of its payload.
-    cp   per layer and micro-batch, K and V travel the ring forward and their gradients backward:
-         4 (cp-1)/cp x b s h / tp values.
+    tp   per layer and micro-batch, all-reduces of the (b, s/cp, h) activation (Megatron-LM): 2 in the
+         forward and 2 in the backward; full checkpointing repeats the forward, so 2 more: 4 or 6 in all.
+         Each costs 2 (tp-1)/tp of its payload (with sequence parallelism an all-gather plus a
+         reduce-scatter replace each all-reduce: the same volume).
+    cp   per layer and micro-batch, ring attention with full multi-head K and V (each b (s/cp) h / tp
+         values on one GPU). Forward: the K and V shards pass round the ring, cp-1 shifts, so
+         2 (cp-1)/cp x b s h / tp values. Backward: K and V go round again and the dK, dV accumulators
+         travel round too, twice the forward's traffic (counting cp-1 shifts for the accumulators; an
+         implementation that ships them home with one extra shift, as course_lib.context_parallel
+         does, sends 2 b (s/cp) h / tp values more). Full checkpointing repeats the forward, K and V
+         included. In all 6 (cp-1)/cp x b s h / tp values, 8 with checkpointing; zero with cp = 1.
     pp   per micro-batch, the stage's output forward and its gradient backward: 2 b (s/cp) h / tp values
          (zero with pp = 1).
     dp   per step, the gradients of the GPU's P / (tp pp) parameters over dp x cp ranks: an all-reduce
@@ -288,7 +297,9 @@ def comm_wire_bytes(model: ModelSpec, cfg: ParallelConfig) -> dict[str, float]:
     act = b * (s // cfg.cp) * h * BF16_BYTES
     n_tp_ops = 6 if cfg.checkpointing else 4
     tp = m * layers * n_tp_ops * all_reduce_wire_bytes(act, cfg.tp)
-    cp = m * layers * 4 * (cfg.cp - 1) / cfg.cp * b * s * h * BF16_BYTES / cfg.tp
+    kv_forward = 2 * (cfg.cp - 1) / cfg.cp * b * s * h * BF16_BYTES / cfg.tp  # K and V round the ring once
+    n_kv_rounds = (2 if cfg.checkpointing else 1) + 2  # forward(s), then backward: K, V again plus dK, dV
+    cp = m * layers * n_kv_rounds * kv_forward
     pp = 0.0 if cfg.pp == 1 else m * 2 * act / cfg.tp
     grads = model.num_params / (cfg.tp * cfg.pp) * BF16_BYTES
     dp = all_reduce_wire_bytes(grads, cfg.dp * cfg.cp) * (1.5 if cfg.zero == 3 else 1.0)

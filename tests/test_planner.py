@@ -113,3 +113,31 @@ def test_pick_best_matches_plan_and_breaks_ties_by_memory():
     assert pl.pick_best(small, cluster, same_time).config.zero == 2
     assert pl.pick_best(small, cluster, same_time, memory_limit=1.0) is None
     assert pl.pick_best(small, cluster, [pl.ParallelConfig(dp=4)]) is None
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_comm_wire_bytes_context_parallel(checkpointing):
+    # Counted from the ring itself: one GPU's K and V shards are b (s/cp) h / tp values each (bf16).
+    model = pl.ModelSpec("m", 8, 1024, 16, 4096, 50000, 64)
+    b, cp, tp = 2, 4, 2
+    cfg = pl.ParallelConfig(dp=2, tp=tp, cp=cp, micro_batch=b, checkpointing=checkpointing)
+    shard = b * (model.seq_len // cp) * model.d_model // tp * pl.BF16_BYTES
+    forward = (cp - 1) * 2 * shard                  # K and V: cp - 1 shifts to the next rank
+    backward = (cp - 1) * 2 * shard + (cp - 1) * 2 * shard  # K and V again, and the dK, dV accumulators
+    recompute = forward if checkpointing else 0     # full checkpointing repeats the forward ring
+    per_layer_and_micro_batch = forward + recompute + backward
+    want = cfg.micro_batches(model) * model.n_layer * per_layer_and_micro_batch
+    assert math.isclose(pl.comm_wire_bytes(model, cfg)["cp"], want)
+    assert pl.comm_wire_bytes(model, pl.ParallelConfig(dp=8, micro_batch=b))["cp"] == 0.0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_comm_wire_bytes_tensor_parallel(checkpointing):
+    # Megatron-LM: 2 all-reduces per layer in the forward, 2 in the backward, 2 more in a recomputed forward.
+    model = pl.ModelSpec("m", 8, 1024, 16, 2048, 50000, 64)
+    b, tp = 2, 4
+    cfg = pl.ParallelConfig(dp=2, tp=tp, micro_batch=b, checkpointing=checkpointing)
+    payload = b * model.seq_len * model.d_model * pl.BF16_BYTES
+    ring_all_reduce = 2 * (tp - 1) / tp * payload
+    want = cfg.micro_batches(model) * model.n_layer * (6 if checkpointing else 4) * ring_all_reduce
+    assert math.isclose(pl.comm_wire_bytes(model, cfg)["tp"], want)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.support.records import RESULTS, load_record
+from course_lib.support.records import RESULTS, load_record, suite_rows
 
 
 def test_a_record_says_which_run_it_is() -> None:
@@ -31,3 +31,16 @@ def test_missing_records_and_sections_are_named() -> None:
     with pytest.raises(KeyError, match="has no section 'nope'.*copy_sweep"):
         load_record("figures_h200.json").section("nope")
     assert RESULTS.is_dir()
+
+
+def test_suite_rows_show_every_rate_of_the_named_rows() -> None:
+    record = load_record("h200.json")
+    lines = suite_rows(record, ["bias_gelu", "add"])
+    rows = {row["name"]: row for row in record.data["results"]}
+    assert lines[0].startswith("bias_gelu, 8192 x 8192 bfloat16")
+    assert sum(line.startswith(("bias_gelu", "add")) for line in lines) == 2
+    assert len(lines) == 2 + sum(2 + len(rows[n]["context"]) for n in ("bias_gelu", "add"))
+    ours = rows["bias_gelu"]["ours"]
+    assert f"{ours:9,.1f} GB/s  {ours / record.data['copy_gbps']:4.0%} of copy" in lines[1]
+    with pytest.raises(KeyError, match="no row nope"):
+        suite_rows(record, ["add", "nope"])

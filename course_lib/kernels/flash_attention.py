@@ -6,15 +6,22 @@ block of query rows of one (batch, head) and streams K and V past it in blocks, 
 running row maximum ``m_i``, a running row sum ``l_i`` and an fp32 accumulator that is rescaled
 whenever the maximum grows. It writes O and the per-row logsumexp, nothing else.
 
-The backward is FA2-style, in three kernels and without atomics:
+The backward recomputes P = exp(S - lse) from the saved logsumexp, as FlashAttention-2 does, but
+divides the work differently. FA2's own backward (Algorithm 2 of the paper, and its CUDA kernels)
+gives each program one K/V block, loops over the query blocks, and adds each program's share of
+dQ into memory with atomic additions. Here, as in the Triton tutorial "Fused Attention", dK/dV
+and dQ have separate owners and no atomics are used, in three kernels:
 
 1. ``_bwd_preprocess``: delta_i = rowsum(dO_i * O_i), one number per query row;
-2. ``_bwd_dkdv``: one program per K/V block, looping over query blocks; it recomputes
-   P = exp(S - lse) from the saved logsumexp, and accumulates dV = P^T dO and dK = dS^T Q;
-3. ``_bwd_dq``: one program per query block, looping over K/V blocks; dQ = dS K.
+2. ``_bwd_dkdv``: one program per K/V block, looping over query blocks; it recomputes P and
+   accumulates dV = P^T dO and dK = dS^T Q;
+3. ``_bwd_dq``: one program per query block, looping over K/V blocks; it recomputes P again and
+   accumulates dQ = dS K.
 
 With dS = P * (dP - delta) and dP = dO V^T. Each output block is owned by exactly one program,
-so every kernel writes plain stores, autotunes safely and is deterministic.
+so every kernel writes plain stores, autotunes safely and is deterministic. The price is doing
+S = Q K^T and dP = dO V^T in both kernels: 7 matrix products of N x N x head_dim per head
+(4 in ``_bwd_dkdv``, 3 in ``_bwd_dq``), where an atomic-dQ backward does 5 and the forward 2.
 
 Exponentials use ``exp2``: log2(e) is folded into the softmax scale, so exp(x * scale) becomes
 exp2(x * scale * log2(e)), one multiply that the compiler fuses with the subtraction of the max.

@@ -9,11 +9,12 @@ which run it was. The records are plain files of the repository: reading one nee
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS", "Record", "load_record"]
+__all__ = ["RESULTS", "Record", "load_record", "suite_rows"]
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -36,8 +37,9 @@ class Record:
     def provenance(self) -> str:
         """Which run this is: GPU, date, driver and versions, and the file."""
         d = self.data
-        versions = ", ".join(f"{k} {d[k]}" for k in ("torch", "triton", "driver") if k in d)
-        return f"measured on an {d.get('gpu', d.get('device', 'unknown GPU'))} on {str(d.get('date', '?'))[:10]} " \
+        versions = ", ".join(f"{k} {d[k]}" for k in ("torch", "triton", "nccl", "driver") if k in d)
+        gpu = d.get("gpu") or " + ".join(d.get("gpus", [])) or d.get("device") or "unknown GPU"
+        return f"measured on {gpu} on {str(d.get('date', '?'))[:10]} " \
                f"({versions}; benchmarks/results/{self.name})"
 
 
@@ -47,3 +49,28 @@ def load_record(name: str) -> Record:
     if not path.is_file():
         raise FileNotFoundError(f"no GPU record {name} in {RESULTS}: run the benchmark that writes it on a GPU")
     return Record(name, json.loads(path.read_text(encoding="utf-8")))
+
+
+def suite_rows(record: Record, names: Sequence[str]) -> list[str]:
+    """Lines showing the rows ``names`` of a benchmark-suite record (``python -m benchmarks``): every rate of a row, in its unit.
+
+    Each row lists the course's kernel, the row's reference and its context measurements, with the
+    ratio of the first two as the suite defines it (``ratio_convention``); a rate in
+    GB/s is also shown as a share of the device-to-device copy rate measured in the same run.
+    """
+    missing = set(names) - {row["name"] for row in record.data["results"]}
+    if missing:
+        raise KeyError(f"{record.name} has no row {', '.join(sorted(missing))}")
+    copy_gbps = record.data.get("copy_gbps")
+    lines = []
+    for row in record.data["results"]:
+        if row["name"] not in names:
+            continue
+        ratio = "" if row["ratio"] is None else f" (ratio {row['ratio']:.2f}: above 1 when course_lib is ahead)"
+        lines.append(f"{row['name']}, {' x '.join(map(str, row['shape']))} {row['dtype']}{ratio}:")
+        rates = {"course_lib": row["ours"], row["reference_name"]: row["reference"], **row["context"]}
+        for label, value in rates.items():
+            share = f"  {value / copy_gbps:4.0%} of copy" if row["unit"] == "GB/s" and copy_gbps else ""
+            digits = 2 if row["unit"] == "ms" else 1
+            lines.append(f"  {label:48s} {value:9,.{digits}f} {row['unit']}{share}")
+    return lines
