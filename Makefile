@@ -3,6 +3,7 @@
 #   make lab-instructor   the same on the project root, with nbgrader's instructor extensions
 #   make test    set up .venv if needed, then run the whole CPU test suite (lint first)
 #   make lint    ruff and mypy only
+#   make test-repeat N=5 LOAD=2   the CPU suite N times in a row (LOAD busy processes beside it), a line per run
 # Variables you may override, e.g. `make test TORCH_BUILD=cuda JOBS=4`:
 #   PYTHON       interpreter that creates the venv (3.11 or newer)
 #   TORCH_BUILD  auto | cpu | cuda. auto picks cuda when `nvidia-smi -L` finds a GPU, else cpu.
@@ -27,9 +28,9 @@ ifeq ($(TORCH_BUILD),auto)
   TORCH_BUILD := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 endif
 
-.PHONY: install sandbox-deps browser-deps lab lab-instructor lint test test-browser test-gpu notebooks-run multi-gpu release bench bench-grading audit clean help
+.PHONY: install sandbox-deps browser-deps lab lab-instructor lint test test-repeat test-browser test-gpu notebooks-run multi-gpu release bench bench-grading audit clean help
 help:
-	@sed -n '2,12p' Makefile
+	@sed -n '2,13p' Makefile
 
 install: $(STAMP)
 
@@ -69,6 +70,24 @@ lab-instructor: $(STAMP)
 # may raise, so a lecture cell that breaks without the student's code fails the suite.
 test: $(STAMP) lint
 	$(PY) -m pytest -n $(JOBS) --dist loadscope --nbval-lax -m "not gpu" tests solutions notebooks
+
+# Flake hunt: the CPU suite (as `make test` runs it, lint aside) N times in a row, optionally with LOAD
+# processes spinning on the CPU beside it, each run's output in artifacts/repeat/run<i>.log and one
+# line per run. Fails when any run failed. REPEAT_TESTS narrows it (e.g. "tests/test_data_parallel.py").
+N ?= 3
+LOAD ?= 0
+REPEAT_TESTS ?= tests solutions notebooks
+test-repeat: $(STAMP)
+	@mkdir -p artifacts/repeat; \
+	spinners=""; for j in $$(seq 1 $(LOAD)); do $(PY) -c "while True: pass" & spinners="$$spinners $$!"; done; \
+	trap 'kill $$spinners 2>/dev/null' EXIT; failed=0; \
+	for i in $$(seq 1 $(N)); do \
+	  start=$$(date +%s); \
+	  if $(PY) -m pytest -n $(JOBS) --dist loadscope --nbval-lax -m "not gpu" -q -p no:cacheprovider $(REPEAT_TESTS) \
+	    > artifacts/repeat/run$$i.log 2>&1; then verdict=passed; else verdict=FAILED; failed=$$((failed + 1)); fi; \
+	  echo "run $$i of $(N) (load $(LOAD)): $$verdict in $$(( $$(date +%s) - start )) s: $$(tail -n 1 artifacts/repeat/run$$i.log)"; \
+	done; \
+	echo "$$failed of $(N) runs failed"; test $$failed -eq 0
 
 # Static tier: ruff (style, imports, likely bugs) over the Python code, mypy over the packages; both
 # configured in pyproject.toml. Part of `make test`, first, so a slip fails in seconds.

@@ -1,10 +1,13 @@
-"""``run_entry`` says which rank failed and why, not only the last lines of a torchrun run."""
+"""Torchrun support: ``run_entry`` says which rank failed and why; ``run_as_script`` leaves nothing holding the group."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
-from course_lib.support import torchrun
+from course_lib.support import dist, torchrun
 
 # What ``torchrun --tee 3`` printed when rank 1 raised and rank 0 was then stopped (torch 2.13, abridged).
 FAILED_RUN = """\
@@ -52,3 +55,27 @@ def test_a_failure_names_the_first_rank_and_each_rank_first_error() -> None:
 def test_run_entry_reports_a_failed_run_by_rank() -> None:
     with pytest.raises(RuntimeError, match=r"exit status [1-9].*\nrank \d failed first \(exit code 2\)"):
         torchrun.run_entry("benchmarks.checks.hybrid", 2, "--no-such-option", timeout=120)
+
+
+def test_run_as_script_frees_reference_cycles_before_it_destroys_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A DDP module and its reducer form a cycle that holds the process group; left for the interpreter's
+    # exit, the group's teardown aborted ranks. The cycle must be gone when the group is destroyed.
+    class Node:
+        pass
+
+    seen: dict[str, object] = {}
+
+    def fn() -> int:
+        node = Node()
+        node.self = node  # type: ignore[attr-defined]
+        seen["node"] = weakref.ref(node)
+        return 7
+
+    monkeypatch.setattr(torchrun, "init_from_torchrun", lambda timeout: (0, 1))
+    monkeypatch.setattr(dist.dist, "destroy_process_group", lambda: seen.setdefault("alive", seen["node"]() is not None))
+    gc.disable()  # only the collection run_as_script asks for may free the cycle
+    try:
+        assert torchrun.run_as_script(fn) == 7
+    finally:
+        gc.enable()
+    assert seen["alive"] is False

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import io
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -43,7 +44,7 @@ from course_lib.exercises.checks import student_side
 
 T = TypeVar("T")
 
-__all__ = ["RankError", "backend_for", "launch", "pick_for", "rank_device"]
+__all__ = ["RankError", "backend_for", "free_then_destroy_group", "launch", "pick_for", "rank_device"]
 
 # After SIGTERM, how long a rank may take to exit before it is killed.
 _TERMINATE_GRACE_S = 2.0
@@ -193,7 +194,7 @@ def _worker(
         phase = "run"
         result = pickle.dumps(_to_cpu(fn(*args, **kwargs)))
         phase = "destroy"
-        dist.destroy_process_group()
+        free_then_destroy_group()
         sys.stdout.flush()
         sys.stderr.flush()
         conn.send(("ok", result))
@@ -206,9 +207,22 @@ def _worker(
         # Report before destroying the group: the parent then stops the other ranks at once.
         conn.send(("err", phase, f"raised {type(exc).__name__}: {exc}", text))
         if dist.is_initialized():
-            dist.destroy_process_group()
+            free_then_destroy_group()
     finally:
         conn.close()
+
+
+def free_then_destroy_group() -> None:
+    """Collect garbage, then destroy the default process group and its subgroups.
+
+    A DistributedDataParallel module and its reducer form reference cycles that only the garbage
+    collector frees, and the reducer holds the process group. Left for the interpreter's exit, the
+    group is then torn down after ``destroy_process_group`` with gloo's threads still running, and
+    the rank aborts ("terminate called without an active exception"): 4 runs in 10 of a script that
+    trains three DDP modules in a function, none once the garbage is collected first.
+    """
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _context_and_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
