@@ -145,6 +145,8 @@ def test_a_linear_layer_saves_its_input_and_weight_only_the_input_counts() -> No
     assert mm.storage_key(x) in keys and mm.storage_key(lin.weight) in keys
     assert [r.is_parameter for r in saved if r.storage == mm.storage_key(lin.weight)] == [True]
     assert mm.measure_saved_activation_bytes(lin, x) == 5 * 8 * 4
+    # handed a plain function rather than the module, the weight still does not count
+    assert mm.measure_saved_activation_bytes(lambda t: lin(t), x) == 5 * 8 * 4
     # x need not require grad: the weight's gradient still needs it
     assert mm.measure_saved_activation_bytes(lin, x.detach()) == 5 * 8 * 4
 
