@@ -35,6 +35,7 @@ def large_gpu_chapters() -> set[str]:
 
 
 _LARGE = large_gpu_chapters()
+NBVAL_OUTPUT_TIMEOUT_S = 120
 _held: dict[str, object] = {}  # the open lock file, while this worker runs a large item
 
 
@@ -80,12 +81,16 @@ def _pin_expected_outputs(item: pytest.Item, cache: dict[str, dict]) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Pin notebook cells' expected outputs and mark them `notebook`; skip `gpu` tests without a CUDA device."""
+    """Pin notebook cells' outputs, mark them `notebook`, widen nbval's output wait; skip `gpu` tests without CUDA."""
     cache: dict[str, dict] = {}
     for item in items:
         _pin_expected_outputs(item, cache)
         if str(item.fspath).endswith(".ipynb"):
             item.add_marker(pytest.mark.notebook)
+            # After a cell's reply nbval waits this long for each of its outputs (5 s by default): a guard
+            # against a lost kernel, not a time limit, so long enough for a loaded machine to deliver them.
+            if hasattr(item, "output_timeout"):
+                item.output_timeout = NBVAL_OUTPUT_TIMEOUT_S
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (GPU tier)")

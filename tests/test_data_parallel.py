@@ -249,7 +249,7 @@ def test_bucketed_all_reduces_start_during_backward() -> None:
 
 def _torchrun(module: str, *args: str) -> tuple[list[str], dict]:
     """The CHECK names and RESULT of ``torchrun --nproc_per_node 2 -m module --small`` (gloo, CPU)."""
-    run = torchrun.run_entry(module, 2, "--small", *args, timeout=120)
+    run = torchrun.run_entry(module, 2, "--small", *args)
     return run.checks, run.result
 
 

@@ -111,18 +111,19 @@ def _fail_on_rank_one() -> None:
 def test_a_rank_error_names_the_rank_and_comes_back_promptly(no_leftovers) -> None:
     start = time.monotonic()
     with pytest.raises(cdist.RankError) as info:
-        cdist.launch(_fail_on_rank_one, 2, timeout=30)
+        cdist.launch(_fail_on_rank_one, 2, timeout=300)
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert message.startswith("rank 1 raised ValueError: bad shard size 17"), message
     assert "Traceback" in message and "_fail_on_rank_one" in message and 'raise ValueError("bad shard size 17")' in message
     assert info.value.ranks[0] == 1
-    assert elapsed < 10, f"launch took {elapsed:.1f} s to report a failing rank (timeout was 30 s)"
+    # Promptly means long before the timeout, whatever the load: the error does not wait for the barrier to time out.
+    assert elapsed < 100, f"launch took {elapsed:.1f} s to report a failing rank (timeout was 300 s)"
 
 
 def test_a_rank_that_dies_without_reporting_is_an_error(no_leftovers) -> None:
     with pytest.raises(cdist.RankError, match="rank 0 exited with code 3 without reporting a result"):
-        cdist.launch(lambda: os._exit(3) if dist.get_rank() == 0 else dist.barrier(), 2, timeout=30)
+        cdist.launch(lambda: os._exit(3) if dist.get_rank() == 0 else dist.barrier(), 2, timeout=300)
 
 
 def test_an_unpicklable_result_is_a_rank_error(no_leftovers) -> None:
@@ -132,15 +133,16 @@ def test_an_unpicklable_result_is_a_rank_error(no_leftovers) -> None:
 
 def test_a_hung_rank_times_out_naming_it(no_leftovers) -> None:
     def hang() -> None:
+        dist.barrier()  # both ranks are up; only rank 1 then hangs
         if dist.get_rank() == 1:
-            time.sleep(60)
+            time.sleep(120)
 
     # Long enough for rank 0 to start, finish and report on a loaded 2-core machine (a hang only: the
     # hung rank sleeps far longer).
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] still running after 15 s"):
-        cdist.launch(hang, 2, timeout=15)
-    assert time.monotonic() - start < 15 + 10
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] still running after 30 s"):
+        cdist.launch(hang, 2, timeout=30)
+    assert time.monotonic() - start < 30 + 20
 
 
 def test_ctrl_c_while_waiting_stops_the_ranks(no_leftovers) -> None:
@@ -150,8 +152,9 @@ def test_ctrl_c_while_waiting_stops_the_ranks(no_leftovers) -> None:
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
         start = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
-            cdist.launch(time.sleep, 2, 60)
-        assert time.monotonic() - start < 6
+            cdist.launch(time.sleep, 2, 600, timeout=900)
+        # Stopped by the interrupt, not by the ranks' end or the timeout (a loaded machine may take seconds).
+        assert time.monotonic() - start < 120
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -219,7 +222,7 @@ def test_a_failed_gloo_mesh_setup_is_retried_once(no_leftovers, monkeypatch, tmp
         return real_init(*args, **kwargs)
 
     monkeypatch.setattr(dist, "init_process_group", flaky_init)  # forked ranks inherit the patch
-    assert cdist.launch(lambda: dist.get_rank() + 10, 2, timeout=60) == [10, 11]
+    assert cdist.launch(lambda: dist.get_rank() + 10, 2, timeout=300) == [10, 11]
     assert marker.exists()
 
 
@@ -317,9 +320,9 @@ def test_init_from_torchrun_and_run_as_script(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
-        capture_output=True, text=True, env=env, timeout=60,
+        capture_output=True, text=True, env=env, timeout=600,  # for a hang only
     )
-    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.returncode == 0, torchrun.explain_failure(run.stdout + run.stderr) + "\n" + run.stdout + run.stderr
     # The two processes share one stdout, so their lines may interleave: look for each report, not for lines.
     assert sorted(re.findall(r"rank \d of \d: \d+", run.stdout)) == ["rank 0 of 2: 6", "rank 1 of 2: 6"], run.stdout
 
@@ -347,7 +350,7 @@ def test_launch_from_a_notebook_cell_shows_rank_output() -> None:
 
         print("results:", launch(greet, 2, 10))
     """))]
-    nbclient.NotebookClient(nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
     outputs = nb.cells[0].outputs
     assert all(o["output_type"] == "stream" and o["name"] == "stdout" for o in outputs), outputs
     lines = "".join(o["text"] for o in outputs).splitlines()
@@ -362,7 +365,7 @@ def _layer_norm_sum() -> float:
 def test_a_rank_forked_after_the_parent_ran_parallel_work_does_not_hang() -> None:
     # The parent uses its OpenMP pool first; a forked rank that then asked for several threads hung.
     torch.nn.functional.layer_norm(torch.randn(512, 1024), (1024,))
-    assert cdist.launch(_layer_norm_sum, 1, timeout=30) == [0.0]
+    assert cdist.launch(_layer_norm_sum, 1, timeout=300) == [0.0]
 
 
 def _functional_all_reduce() -> torch.Tensor:

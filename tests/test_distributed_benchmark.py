@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from course_lib.support.torchrun import explain_failure
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -16,9 +18,9 @@ def test_small_run_writes_every_section(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "benchmarks.distributed", "--small", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,  # for a hang only
     )
-    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.returncode == 0, explain_failure(run.stdout + run.stderr) + "\n" + run.stdout + run.stderr
     data = json.loads((tmp_path / "multi_gpu.json").read_text())
     assert (data["world_size"], data["backend"], data["small"]) == (2, "gloo", True)
     assert data["env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -127,7 +127,7 @@ def _steps_in_rank(cases):
 def test_executors_match_reference(world):
     cases = [(sched, m, gpipe) for sched, gpipe in (("gpipe", True), ("gpipe", False), ("1f1b", False), ("naive", False))
              for m in (1, world, 2 * world + 1)]
-    res = launch(_steps_in_rank, world, cases, timeout=60)
+    res = launch(_steps_in_rank, world, cases, timeout=300)
     assert max(max(r) for r in res) < 1e-12
 
 
@@ -145,11 +145,11 @@ def _torch_vs_ours(sched, m):
 
 
 def test_torch_pipelining_agrees():
-    assert all(launch(_torch_vs_ours, 2, "1f1b", 4, timeout=90))
+    assert all(launch(_torch_vs_ours, 2, "1f1b", 4, timeout=300))
 
 
 def test_torchrun_entry():
-    run = torchrun.run_entry("benchmarks.checks.pipeline_parallel", 2, "--small", timeout=120)
+    run = torchrun.run_entry("benchmarks.checks.pipeline_parallel", 2, "--small")
     assert run.checks == ["naive", "gpipe", "1f1b"], run.stdout
     result = run.result
     assert result["world_size"] == 2
@@ -166,4 +166,4 @@ def _neighbours_in_rank() -> bool:
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_connect_neighbours_completes(world):
-    assert launch(_neighbours_in_rank, world, timeout=60) == [True] * world
+    assert launch(_neighbours_in_rank, world, timeout=300) == [True] * world

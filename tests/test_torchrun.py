@@ -54,7 +54,7 @@ def test_a_failure_names_the_first_rank_and_each_rank_first_error() -> None:
 
 def test_run_entry_reports_a_failed_run_by_rank() -> None:
     with pytest.raises(RuntimeError, match=r"exit status [1-9].*\nrank \d failed first \(exit code 2\)"):
-        torchrun.run_entry("benchmarks.checks.hybrid", 2, "--no-such-option", timeout=120)
+        torchrun.run_entry("benchmarks.checks.hybrid", 2, "--no-such-option")
 
 
 def test_run_as_script_frees_reference_cycles_before_it_destroys_the_group(monkeypatch: pytest.MonkeyPatch) -> None:

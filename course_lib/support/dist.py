@@ -50,6 +50,10 @@ __all__ = ["RankError", "backend_for", "free_then_destroy_group", "launch", "pic
 _TERMINATE_GRACE_S = 2.0
 # After the first rank fails, how long to wait for the others' reports (to list them too).
 _FAILURE_GRACE_S = 0.5
+# How far past the launch's deadline the ranks' own store and collective timeouts lie. The launch stops
+# a rank stuck in a collective at its deadline and names it (TimeoutError); a group timeout at the same
+# moment would race with that and, on a loaded machine, sometimes turn a deadlock into a rank's error.
+_GROUP_TIMEOUT_MARGIN_S = 60.0
 
 
 class _MeshSetupFailed(Exception):
@@ -186,11 +190,12 @@ def _worker(
         # more than one thread; and ranks share the cores anyway, so extra threads oversubscribe.
         torch.set_num_threads(1)
         # Rank 0 serves the rendezvous store on the socket the parent bound (see _listening_socket).
+        group_timeout = timedelta(seconds=timeout + _GROUP_TIMEOUT_MARGIN_S)
         store = dist.TCPStore(
-            "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout),
+            "127.0.0.1", port, world_size, is_master=rank == 0, timeout=group_timeout,
             master_listen_fd=listener.fileno() if listener is not None else None,
         )
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=group_timeout)
         phase = "run"
         result = pickle.dumps(_to_cpu(fn(*args, **kwargs)))
         phase = "destroy"
