@@ -109,7 +109,8 @@ def test_ring_attention_matches_full_attention(world: int, causal: bool, layout:
     ref = naive_attention(*leaves, causal=causal)
     ref.backward(dout)
     ref_lse = attention_lse(q, k, causal=causal)
-    results = launch(_ring_case, world, q, k, v, dout, causal, layout)
+    # CPU tensors, so gloo on every machine (on a GPU host a single rank would otherwise get NCCL).
+    results = launch(_ring_case, world, q, k, v, dout, causal, layout, backend="gloo")
     for rank, (out_fwd, lse, out, grads, ag, ag_lse, n_bytes) in enumerate(results):
         sel = lambda t, rank=rank: cp.shard_sequence(t, rank, world, layout)  # noqa: E731
         assert_close(out_fwd, sel(ref.detach()), name=f"rank {rank} forward")
