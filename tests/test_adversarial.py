@@ -308,7 +308,7 @@ def graded(tmp_path_factory: pytest.TempPathFactory) -> Graded:
     process = subprocess.run(
         [sys.executable, "-m", "autograder", "grade", str(subs), "--out", str(out), "--course-root", str(course),
          "--jobs", "2", "--timeout", "600", "--cell-timeout", "45"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1500,
+        cwd=ROOT, capture_output=True, text=True, timeout=3600,
     )
     seconds = time.monotonic() - start
     closing.set()
@@ -388,7 +388,7 @@ def test_grading_resumes_without_regrading(graded: Graded) -> None:
     process = subprocess.run(
         [sys.executable, "-m", "autograder", "grade", str(graded.out.parent / "submissions"), "--out", str(again),
          "--course-root", str(graded.out.parent / "course"), "--jobs", "2", "--chapter", JUDGE],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )
     assert process.stdout.count("(from an earlier run)") == len(CHEATS) + 3, process.stdout
     print(f"adversarial grading run: {graded.seconds:.0f} s")

@@ -396,7 +396,7 @@ def test_time_limit_crash_and_stderr_on_a_tiny_chapter(tmp_path: Path) -> None:
                    *SANDBOX_ARGS]
         processes[run] = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True)
-    outputs = {run: proc.communicate(timeout=900)[0] for run, proc in processes.items()}
+    outputs = {run: proc.communicate(timeout=3600)[0] for run, proc in processes.items()}
     rows = {}
     for run in runs:
         with open(tmp_path / f"{run}_out" / "grades.csv", newline="", encoding="utf-8") as f:

@@ -235,7 +235,7 @@ def grade(subs: Path, out: Path, course: Path) -> subprocess.CompletedProcess:
     """One `grade --jobs 2` run, with limits that honest submissions never come near."""
     command = [sys.executable, "-m", "autograder", "grade", str(subs), "--out", str(out), "--course-root", str(course),
                "--jobs", "2", "--timeout", "300", "--cell-timeout", "120", "--disk-gb", str(DISK_GB)]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600)
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:

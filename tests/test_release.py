@@ -24,7 +24,7 @@ def release_into(out: Path, *chapters: str) -> subprocess.CompletedProcess:
     """Run `python -m autograder release --out OUT` from the project root."""
     return subprocess.run(
         [sys.executable, "-m", "autograder", "release", "--out", str(out), *chapters],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )
 
 
