@@ -392,3 +392,15 @@ def test_results_wait_for_collectives_still_in_flight() -> None:
     results = cdist.launch(_functional_all_reduce, 2)
     for rank, result in enumerate(results):
         assert type(result) is torch.Tensor and torch.equal(result, torch.full((4,), 3.0)), (rank, result)
+
+
+def _store_timeout_s() -> float:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store().timeout.total_seconds()
+
+
+def test_the_ranks_own_timeouts_lie_past_the_launch_deadline(no_leftovers) -> None:
+    # So a rank stuck in a collective is stopped and named by launch (TimeoutError), never reported first by
+    # its own store or group timing out at the same moment (a RankError that races with the deadline).
+    assert all(t > 10 for t in cdist.launch(_store_timeout_s, 2, timeout=10))
