@@ -7,18 +7,26 @@ or calls the reference. Graded by the real grader's parts (``autograder.execute.
 the test cell runs in the trusted tester, hidden tests included, inputs drawn from a secret; the
 exercise's reference refuses to run), each must fail.
 
-One kernel per chapter keeps this cheap: it runs the setup cell, the solution cells and the
-cells whose definitions live in the kernel, then, per exercise, the right solution's test (which
+One kernel per chapter keeps this cheap: it runs the setup cell, the cells of imports only, the
+solution cells and the cells whose definitions live in the kernel, then, per exercise, the right solution's test (which
 must pass: it proves the short notebook is a fair context), each wrong solution followed by the
 test, and the right solution again. Lecture cells are left out: test cells run in the tester,
 which sees only the notebook's imports and the student's names.
+
+Grading here is CPU grading, on any host (the kernel and the tester see no GPU): some mechanisms
+are observable only under Triton's interpreter (the tiles a kernel computes), so this tier checks
+the CPU grading path, the one every course machine has.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import copy
+import os
 import runpy
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,10 +68,19 @@ def _is_solution(cell: NotebookNode) -> bool:
     return bool(cell.metadata.get("nbgrader", {}).get("solution"))
 
 
+def _imports_only(cell: NotebookNode) -> bool:
+    """A cell whose every top-level statement is an import."""
+    try:
+        body = ast.parse(cell.source).body
+    except SyntaxError:
+        return False
+    return bool(body) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in body)
+
+
 def _context(nb: NotebookNode) -> tuple[list[NotebookNode], dict[str, NotebookNode], dict[str, NotebookNode]]:
     """The cells the kernel needs, and each exercise's solution cell and test cell by the test's grade_id."""
     code = [c for c in nb.cells if c.cell_type == "code"]
-    keep = [code[0]] + [c for c in code[1:] if _is_solution(c) or c.metadata.get(STUDENT_SIDE_KEY)]
+    keep = [code[0]] + [c for c in code[1:] if _is_solution(c) or c.metadata.get(STUDENT_SIDE_KEY) or _imports_only(c)]
     solutions, tests = {}, {}
     for cell in code:
         if _is_solution(cell):
@@ -82,6 +99,20 @@ def _copy(cell: NotebookNode) -> NotebookNode:
     twin = copy.deepcopy(cell)
     twin.id = nbformat.v4.new_code_cell().id
     return twin
+
+
+@contextlib.contextmanager
+def _cpu_only() -> Iterator[None]:
+    """Within the block, kernels started from this process see no GPU."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def grade_wrong_solutions(source_notebook: Path, wrong: dict[str, dict[str, str]], workdir: Path,
@@ -105,14 +136,14 @@ def grade_wrong_solutions(source_notebook: Path, wrong: dict[str, dict[str, str]
     short = nbformat.v4.new_notebook(cells=cells, metadata=nb.metadata)
     workdir.mkdir(parents=True, exist_ok=True)
     root = source_notebook.resolve().parents[2]
-    env = child_environment(root)
+    env = {**child_environment(root), "CUDA_VISIBLE_DEVICES": ""}  # CPU grading, on any host: see the module docstring
     runner = TrustedExecute(
         kernel_name="python3", timeout=int(cell_timeout), interrupt_on_timeout=True,
         extra_arguments=["--IPKernelApp.log_level=ERROR"],
         source_notebook=str(source_notebook), tester_socket=str(workdir / "tester.sock"),
         tester_timeout=float(cell_timeout), tester_env={**env, SECRET_VARIABLE: str(secrets.randbelow(2**31 - 1))},
     )
-    with course_environment(root):
+    with course_environment(root), _cpu_only():
         runner.preprocess(short, {"metadata": {"path": str(workdir)}})
     graded = [c for c in short.cells if is_test_cell(c)]
     outcomes = []
