@@ -1,19 +1,24 @@
-"""Chapter 00 (orientation): the environment check and first back-of-the-envelope timings.
+"""Chapter 00 (orientation): the environment check and first measurements of a device.
 
-Reference implementations of the chapter's exercises, plus the figures of the GPUs the course
-quotes, so that later chapters reason from the same numbers. Two kinds of figure, kept apart:
-what a device reports about itself (SMs, memory, L2, shared memory and registers per SM: read
-with ``read_gpu_spec`` wherever a GPU is present) and what only a datasheet gives (peak rates and
-memory bandwidth, which must be measured to be known on a real machine).
+Reference implementations of the chapter's exercises (an environment report, a copy's bandwidth
+timed with a given clock, the roofline of a linear layer, a fit of an operation's fixed per-call
+cost and bandwidth), plus the figures of the GPUs the course quotes, so that later chapters reason
+from the same numbers. Two kinds of figure, kept apart: what a device reports about itself (SMs,
+memory, L2, shared memory and registers per SM: read with ``read_gpu_spec`` wherever a GPU is
+present) and what only a datasheet gives (peak rates and memory bandwidth, which must be measured
+to be known on a real machine).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from course_lib import env
@@ -22,9 +27,11 @@ __all__ = [
     "GPUSpec",
     "H100_SXM",
     "H200_SXM",
+    "copy_bandwidth",
     "device_report",
+    "fit_launch_overhead",
+    "linear_roofline",
     "read_gpu_spec",
-    "tensor_read_time",
     "roofline",
 ]
 
@@ -122,11 +129,23 @@ def device_report() -> dict[str, Any]:
     return report
 
 
-def tensor_read_time(shape: tuple[int, ...], dtype: torch.dtype, bytes_per_s: float) -> float:
-    """Seconds to read a tensor of ``shape`` and ``dtype`` once at ``bytes_per_s``; ValueError unless bytes_per_s > 0."""
-    if not bytes_per_s > 0:
-        raise ValueError(f"bandwidth must be positive, got {bytes_per_s}")
-    return math.prod(shape) * dtype.itemsize / bytes_per_s
+def copy_bandwidth(copy: Callable[[], Any], nbytes: int, *, clock: Callable[[], float] = time.perf_counter,
+                   repeat: int = 5) -> float:
+    """Bytes per second that ``copy()``, a copy of ``nbytes`` bytes into a buffer of the same size, moves.
+
+    One untimed call first (fresh memory is slow to touch the first time), then ``repeat`` calls,
+    each timed alone between two readings of ``clock()``. The rate counts the bytes read and the
+    bytes written, over the median time. ValueError unless nbytes > 0 and repeat >= 1.
+    """
+    if not (nbytes > 0 and repeat >= 1):
+        raise ValueError(f"need nbytes > 0 and repeat >= 1, got nbytes={nbytes}, repeat={repeat}")
+    copy()
+    times = []
+    for _ in range(repeat):
+        start = clock()
+        copy()
+        times.append(clock() - start)
+    return 2 * nbytes / statistics.median(times)
 
 
 def roofline(
@@ -147,3 +166,41 @@ def roofline(
     if memory_s > compute_s:
         return memory_s, "memory"
     return compute_s, "compute"
+
+
+def linear_roofline(tokens: int, d_in: int, d_out: int, dtype: torch.dtype, flops_per_s: float, bytes_per_s: float,
+                    bias: bool = True) -> dict[str, Any]:
+    """The roofline of a linear layer's forward pass, ``y = x @ w.T + b``: its counts, time bound and bound.
+
+    ``x`` is (tokens, d_in), ``w`` (d_out, d_in), ``b`` (d_out,) when ``bias``, ``y`` (tokens, d_out),
+    all of ``dtype``. Returns ``flops`` (a multiply-add counts 2, the bias one add per output),
+    ``bytes`` (each tensor read or written once), and ``seconds`` and ``bound`` as ``roofline``
+    gives them. ValueError unless the three sizes are at least 1 and both rates positive.
+    """
+    if min(tokens, d_in, d_out) < 1:
+        raise ValueError(f"sizes must be at least 1, got tokens={tokens}, d_in={d_in}, d_out={d_out}")
+    flops = 2 * tokens * d_in * d_out + (tokens * d_out if bias else 0)
+    elements = tokens * d_in + d_out * d_in + tokens * d_out + (d_out if bias else 0)
+    num_bytes = elements * dtype.itemsize
+    seconds, bound = roofline(flops, num_bytes, flops_per_s, bytes_per_s)
+    return {"flops": flops, "bytes": num_bytes, "seconds": seconds, "bound": bound}
+
+
+def fit_launch_overhead(measure: Callable[[int], float], min_bytes: int, max_bytes: int,
+                        points: int = 16) -> tuple[float, float]:
+    """``(overhead seconds, bytes per second)`` of an operation, fitted to ``measure``'s timings of it.
+
+    ``measure(nbytes)`` gives the seconds of one call that moves ``nbytes`` bytes. It is called once
+    at each of at most ``points`` whole sizes spread evenly on a log scale from ``min_bytes`` to
+    ``max_bytes`` (both ends included); ``seconds = overhead + nbytes / bytes_per_s`` is then fitted
+    by least squares on relative errors, so that the microseconds of the small sizes weigh as much
+    as the milliseconds of the large ones. ValueError unless 1 <= min_bytes < max_bytes and points >= 2.
+    """
+    if not (1 <= min_bytes < max_bytes and points >= 2):
+        raise ValueError(f"need 1 <= min_bytes < max_bytes and points >= 2, got {min_bytes}, {max_bytes}, {points}")
+    sizes = sorted({round(float(s)) for s in np.geomspace(min_bytes, max_bytes, points)} | {min_bytes, max_bytes})
+    seconds = [float(measure(s)) for s in sizes]
+    # Row i says overhead / t_i + nbytes_i * (1 / bytes_per_s) / t_i = 1: each residual is a relative error.
+    rows = np.array([[1.0 / t, s / t] for s, t in zip(sizes, seconds)])
+    (overhead, seconds_per_byte), *_ = np.linalg.lstsq(rows, np.ones(len(sizes)), rcond=None)
+    return float(overhead), float(1.0 / seconds_per_byte)
