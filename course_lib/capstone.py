@@ -10,9 +10,10 @@ Two runs of the same model on the same batches, and what separates them:
     result = capstone.compare(capstone.RunConfig.for_this_machine(steps=20))
     result["speedup"], result["optimized"].mfu
 
-MFU counts model FLOPs as ``planner.model_flops`` does (6 x matmul parameters x tokens plus the
-attention matmuls) against the device's dense bf16 peak (``orientation.H100_SXM`` / ``H200_SXM``);
-on a CPU, where no datasheet figure applies, against a measured fp32 matmul rate (said so in the result).
+MFU counts model FLOPs as chapter 03's ``flops.step_flops`` does (6 x matmul parameters x tokens plus
+the attention matmuls) against ``flops.device_peak_flops``: the device's dense bf16 peak
+(``orientation.H100_SXM`` / ``H200_SXM``); on a CPU, where no datasheet figure applies, a measured
+fp32 matmul rate (said so in the result).
 
     python -m course_lib.capstone --preset gpt2-small --steps 50 --out capstone.json
 """
@@ -27,13 +28,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from course_lib import env, models
+from course_lib.flops import checkpoint_blocks, device_peak_flops, step_flops, utilization
 from course_lib.optimizers import fused_supported
-from course_lib.orientation import H100_SXM, H200_SXM
-from course_lib.planner import ModelSpec, model_flops
 
 __all__ = ["RunConfig", "RunResult", "compare", "device_peak_flops", "flops_per_step", "main", "train"]
 
@@ -91,38 +89,8 @@ class RunResult:
 
 
 def flops_per_step(cfg: models.GPTConfig, batch_size: int) -> float:
-    """Model FLOPs of one step of ``cfg`` at ``batch_size`` sequences (planner.model_flops)."""
-    spec = ModelSpec("run", cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len, cfg.vocab_size, batch_size)
-    return model_flops(spec)
-
-
-def device_peak_flops(device: torch.device) -> tuple[float, str]:
-    """The peak FLOP/s to state MFU against, and where it comes from."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for spec in (H200_SXM, H100_SXM):
-            if spec.name.split()[0] in name:
-                return spec.bf16_dense_flops, f"{spec.name} dense bf16 datasheet"
-        return H100_SXM.bf16_dense_flops, f"unknown GPU {name}: H100 SXM dense bf16 datasheet used"
-    n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    rate = 10 * 2 * n**3 / (time.perf_counter() - start)
-    return rate, "measured fp32 matmul rate of this CPU"
-
-
-class _CheckpointedBlock(nn.Module):
-    """A block whose activations are recomputed in the backward pass."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.block, x, use_reentrant=False)
+    """Model FLOPs of one step of ``cfg`` at ``batch_size`` sequences (``flops.step_flops``)."""
+    return float(step_flops(cfg, batch_size)[0])
 
 
 @contextlib.contextmanager
@@ -148,7 +116,7 @@ def train(
     cfg = run.model_config()
     model = models.GPT(cfg, seed=run.seed).to(device)
     if run.checkpointing:
-        model.blocks = nn.ModuleList(_CheckpointedBlock(b) for b in model.blocks)
+        checkpoint_blocks(model)
     fused = run.fused_adam and fused_supported(device)
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr, fused=fused or None)
     step_model = torch.compile(model) if run.compile else model
@@ -183,7 +151,7 @@ def train(
         losses=[float(v) for v in losses],
         step_s=step_s,
         tokens_per_s=tokens / step_s,
-        mfu=flops_per_step(cfg, run.batch_size) / step_s / peak_rate,
+        mfu=utilization(cfg, run.batch_size, step_s, peak_rate, run.checkpointing)[0],
         peak_flops=peak_rate,
         peak_source=source,
         params=model.num_params(),

@@ -4,12 +4,14 @@
   (launch gap outside the interval, L2 flushed, optionally amortised or replayed as a CUDA graph).
 - ``naive_event_timing``, ``compare_timers``: the timer not to use, and five timers side by side.
 - ``plot_timings``: medians with their spread on an axis that starts at zero.
-- ``time_calls`` and ``SimulatedDevice``: a timer with an injected clock, and a fake asynchronous
-  device to test it on.
+- ``time_calls`` and ``SimulatedDevice``: a timer with an injected clock (median and durations),
+  and a fake asynchronous device to test it on.
 - ``top_ops``, ``load_trace``, ``annotation_ranges``, ``memory_timeline``: read what
   ``torch.profiler`` recorded (its ``key_averages()`` and its Chrome trace).
 - ``*_flops_bytes``, ``arithmetic_intensity``, ``machine_balance``, ``achieved_rates``,
   ``classify_bound``, ``roofline_point``: the roofline model from shapes and dtypes.
+- ``roofline_gaps``: every operator of a measured step against its roof, the one with the most
+  time to win first (its FLOPs and bytes counted by ``flops.op_costs``, its time read from a profile).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ __all__ = [
     "achieved_rates",
     "classify_bound",
     "roofline_point",
+    "roofline_gaps",
     "A100_SXM",
 ]
 
@@ -321,13 +324,14 @@ def time_calls(
     repeat: int = 10,
     clock: Callable[[], float] = time.perf_counter,
     sync: Callable[[], Any] | None = None,
-) -> list[float]:
-    """Seconds taken by each of ``repeat`` timed calls of ``fn()``, after ``warmup`` untimed ones.
+) -> tuple[float, list[float]]:
+    """(median, durations): seconds taken by each of ``repeat`` timed calls of ``fn()``, after ``warmup`` untimed ones.
 
     ``clock()`` reads the time in seconds. ``sync()``, when given, waits for queued device work:
     it is called once after the warm-up (so that the warm-up's work does not leak into the first
-    timing) and after each timed call, before the clock is read. ValueError unless repeat >= 1
-    and warmup >= 0.
+    timing) and after each timed call, before the clock is read. The median is
+    ``statistics.median``'s (the mean of the two middle durations for an even ``repeat``).
+    ValueError unless repeat >= 1 and warmup >= 0.
     """
     if repeat < 1 or warmup < 0:
         raise ValueError(f"need repeat >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
@@ -342,7 +346,7 @@ def time_calls(
         if sync is not None:
             sync()
         times.append(clock() - start)
-    return times
+    return statistics.median(times), times
 
 
 # --------------------------------------------------------------------------------------------
@@ -546,3 +550,25 @@ def roofline_point(
         "achieved_flops_per_s": flops / seconds,
         "fraction_of_roof": bound_s / seconds,
     }
+
+
+def roofline_gaps(
+    costs: dict[str, tuple[int, int, int]],
+    seconds: dict[str, float],
+    peak_flops_per_s: float,
+    peak_bytes_per_s: float,
+) -> list[tuple[str, str, float]]:
+    """Each operator in both ``costs`` ((calls, FLOPs, bytes), as ``flops.op_costs`` counts) and ``seconds``
+    (measured), as (name, bound, gap_seconds), the largest gap first (equal gaps by name).
+
+    The roof's time is max(FLOPs / peak_flops_per_s, bytes / peak_bytes_per_s); ``bound`` says
+    which term it is ("compute" on a tie); the gap is the measured seconds minus the roof's time:
+    what the operator could win at most on this machine (negative when a cache beat the roof).
+    """
+    rows = []
+    for name in costs.keys() & seconds.keys():
+        _, flops, num_bytes = costs[name]
+        compute_s, memory_s = flops / peak_flops_per_s, num_bytes / peak_bytes_per_s
+        bound = "compute" if compute_s >= memory_s else "memory"
+        rows.append((name, bound, seconds[name] - max(compute_s, memory_s)))
+    return sorted(rows, key=lambda row: (-row[2], row[0]))

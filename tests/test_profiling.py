@@ -27,6 +27,7 @@ from course_lib.profiling import (
     matmul_flops_bytes,
     memory_timeline,
     peak_flops,
+    roofline_gaps,
     roofline_point,
     softmax_flops_bytes,
     time_calls,
@@ -172,20 +173,29 @@ def test_simulated_device_queues_work() -> None:
 def test_time_calls_with_sync_measures_the_kernels() -> None:
     dev = SimulatedDevice(launch_overhead=1e-5)
     durations = iter([5.0, 5.0, 1e-3, 2e-3, 3e-3])  # two slow warm-up calls, then three timed ones
-    times = time_calls(lambda: dev.launch(next(durations)), warmup=2, repeat=3, clock=dev.clock, sync=dev.sync)
+    median, times = time_calls(lambda: dev.launch(next(durations)), warmup=2, repeat=3, clock=dev.clock, sync=dev.sync)
     assert times == pytest.approx([1e-5 + 1e-3, 1e-5 + 2e-3, 1e-5 + 3e-3])
+    assert median == pytest.approx(1e-5 + 2e-3)
     assert dev.launches == 5
 
 
 def test_time_calls_without_sync_measures_launches() -> None:
     dev = SimulatedDevice(launch_overhead=1e-5)
-    times = time_calls(lambda: dev.launch(1e-3), warmup=0, repeat=4, clock=dev.clock)
+    _, times = time_calls(lambda: dev.launch(1e-3), warmup=0, repeat=4, clock=dev.clock)
     assert times == pytest.approx([1e-5] * 4)
 
 
+def test_time_calls_median_ignores_an_outlier_and_averages_the_middle_pair() -> None:
+    dev = SimulatedDevice(launch_overhead=0.0)
+    durations = iter([1e-3, 1e-3, 9e-3, 2e-3])
+    median, times = time_calls(lambda: dev.launch(next(durations)), warmup=0, repeat=4, clock=dev.clock, sync=dev.sync)
+    assert times == pytest.approx([1e-3, 1e-3, 9e-3, 2e-3])
+    assert median == pytest.approx(1.5e-3), "the mean of the two middle durations, not the mean of all four"
+
+
 def test_time_calls_with_perf_counter_and_sleep() -> None:
-    times = time_calls(lambda: time.sleep(0.005), warmup=1, repeat=3)
-    assert len(times) == 3 and all(0.004 < t < 5 for t in times)
+    median, times = time_calls(lambda: time.sleep(0.005), warmup=1, repeat=3)
+    assert len(times) == 3 and all(0.004 < t < 5 for t in times) and median in times
 
 
 def test_time_calls_rejects_bad_arguments() -> None:
@@ -344,3 +354,12 @@ def test_plot_timings_shows_medians_with_their_spread_from_zero() -> None:
     plot_timings(ax, [1, 2], [slow, slow], relative_to=slow)
     assert any(list(line.get_ydata()) == pytest.approx([1.0, 1.0]) for line in ax.lines), "relative_to divides by its median"
     plt.close(fig)
+
+
+def test_roofline_gaps_rank_by_the_time_above_the_roof() -> None:
+    costs = {"aten::mm": (2, 2_000, 100), "aten::add": (3, 10, 1_000), "aten::copy_": (1, 0, 500), "only_here": (1, 1, 1)}
+    seconds = {"aten::mm": 25.0, "aten::add": 12.0, "aten::copy_": 5.0, "only_timed": 3.0}
+    rows = roofline_gaps(costs, seconds, peak_flops_per_s=100.0, peak_bytes_per_s=100.0)
+    assert rows == [("aten::add", "memory", 2.0), ("aten::mm", "compute", 5.0)][::-1] + [("aten::copy_", "memory", 0.0)]
+    tie = roofline_gaps({"a": (1, 100, 100), "b": (1, 100, 100)}, {"a": 2.0, "b": 2.0}, 100.0, 100.0)
+    assert tie == [("a", "compute", 1.0), ("b", "compute", 1.0)]
