@@ -1,17 +1,23 @@
-"""Data pipelines: a synthetic image dataset, prefetchers, a throughput model and timelines.
+"""Data pipelines: a synthetic image dataset, prefetchers, a model of DataLoader's schedule, timelines.
 
 The pieces of chapter 05:
 
 - ``SyntheticImages``: a ``Dataset`` of uint8 images with a configurable storage latency
-  (``time.sleep`` per sample) and real CPU preprocessing (``preprocess``: decode, random crop,
-  normalise); it can return the timestamps of each stage for timeline plots.
+  (``time.sleep`` per sample, the same for every sample or a repeating pattern) and real CPU
+  preprocessing (``preprocess``: decode, random crop, normalise); it can return the timestamps of
+  each stage for timeline plots.
 - ``Prefetcher``: a background thread that runs ahead of the consumer by at most ``depth`` items.
 - ``CudaPrefetcher``: copies the next batch to the GPU on a side stream while the current one
-  computes; on a CPU it is plain iteration plus ``.to(device)``.
-- ``steady_state_step_time``, ``bottleneck``, ``prefetch_buffer_bytes``: the arithmetic.
+  computes, through ``CudaOps`` (the six CUDA calls it needs; ``RecordingOps`` is a stand-in that
+  runs anywhere and logs them); on a CPU it is plain iteration plus ``.to(device)``.
+- ``simulate_loader``: when each step starts under DataLoader's scheduling rules;
+  ``bottleneck``: which stage limits a measured run, read from its timeline;
+  ``prefetch_buffer_bytes``: the memory of the batches in flight.
 - ``consume_batches``: the training loop with a simulated step (``fake_step``), recording on a
   ``course_lib.support.timeline.Timeline`` when each batch was waited for, computed, loaded and
   preprocessed (``add_sample_times``); ``STAGE_COLORS`` colours its Gantt chart (``plot_gantt``).
+
+LLM-style token data (a memory-mapped token stream, sharded and resumable) is in ``token_data``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,11 +43,14 @@ __all__ = [
     "preprocess",
     "SyntheticImages",
     "Prefetcher",
+    "map_tensors",
+    "tensors_of",
     "to_device",
+    "CudaOps",
+    "RecordingOps",
     "CudaPrefetcher",
-    "steady_state_step_time",
+    "simulate_loader",
     "bottleneck",
-    "choose_num_workers",
     "prefetch_buffer_bytes",
     "STAGE_COLORS",
     "add_sample_times",
@@ -82,6 +91,9 @@ def preprocess(raw: np.ndarray, crop: int, rng: np.random.Generator | None = Non
 class SyntheticImages(Dataset):
     """``size`` random uint8 images (``height`` x ``width`` x 3) with ``latency`` seconds of simulated storage per sample.
 
+    ``latency`` is one number for every sample, or a sequence: sample ``i`` then takes
+    ``latency[i % len(latency)]`` seconds (a repeating pattern of fast and slow reads).
+
     Sample ``i`` is the same for a given ``seed`` in every process (its bytes come from
     ``default_rng(seed + i)``), and so is its random crop. ``__getitem__`` returns
     ``(image, label)``; with ``record=True`` it returns ``(image, label, times)``, where ``times``
@@ -92,11 +104,13 @@ class SyntheticImages(Dataset):
     times can be drawn on one axis.
     """
 
-    def __init__(self, size: int = 256, latency: float = 0.0, seed: int = 0, height: int = 40, width: int = 40,
-                 crop: int = 32, num_classes: int = 10, record: bool = False) -> None:
-        if size < 0 or latency < 0:
-            raise ValueError("size and latency must be non-negative")
+    def __init__(self, size: int = 256, latency: float | Sequence[float] = 0.0, seed: int = 0, height: int = 40,
+                 width: int = 40, crop: int = 32, num_classes: int = 10, record: bool = False) -> None:
+        pattern = [float(latency)] if isinstance(latency, (int, float)) else [float(t) for t in latency]
+        if size < 0 or not pattern or min(pattern) < 0:
+            raise ValueError("size must be non-negative and latency a non-negative number or a non-empty sequence of them")
         self.size, self.latency, self.seed = size, latency, seed
+        self._pattern = pattern
         self.height, self.width, self.crop, self.num_classes, self.record = height, width, crop, num_classes, record
 
     def __len__(self) -> int:
@@ -116,8 +130,9 @@ class SyntheticImages(Dataset):
         if not 0 <= index < self.size:
             raise IndexError(index)
         start = time.perf_counter()
-        if self.latency:
-            time.sleep(self.latency)  # the storage read: disk, network, object store
+        pause = self._pattern[index % len(self._pattern)]
+        if pause:
+            time.sleep(pause)  # the storage read: disk, network, object store
         raw = self.raw(index)
         loaded = time.perf_counter()
         crop_rng = np.random.default_rng((self.seed, index))
@@ -233,154 +248,241 @@ class Prefetcher:
 
 # ---- host-to-device copies on a side stream ------------------------------------------------
 
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:
     """``batch`` with ``fn`` applied to every tensor in it (nested tuples, lists and dicts); other values stay."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, dict):
-        return {k: _map_tensors(fn, v) for k, v in batch.items()}
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        moved = [_map_tensors(fn, v) for v in batch]
+        moved = [map_tensors(fn, v) for v in batch]
         return type(batch)(moved) if isinstance(batch, list) else tuple(moved)
     return batch
 
 
-def to_device(batch: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
-    """Move every tensor in a (nested tuple / list / dict) batch to ``device``; other values stay."""
-    return _map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
-
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+def tensors_of(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested tuple / list / dict) batch, in order."""
     if isinstance(batch, torch.Tensor):
         yield batch
     elif isinstance(batch, dict):
         for v in batch.values():
-            yield from _tensors(v)
+            yield from tensors_of(v)
     elif isinstance(batch, (list, tuple)):
         for v in batch:
-            yield from _tensors(v)
+            yield from tensors_of(v)
 
 
-def _pin(batch: Any) -> Any:
-    return _map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
+def to_device(batch: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
+    """Move every tensor in a (nested tuple / list / dict) batch to ``device``; other values stay."""
+    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
+
+
+class CudaOps:
+    """The six CUDA calls a copy-ahead prefetcher makes, one method each, for one CUDA ``device``.
+
+    A prefetcher that makes its calls through an object like this one can be run, and its order of
+    calls checked, on a machine without a GPU: ``RecordingOps`` has the same methods.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+
+    def new_stream(self) -> torch.cuda.Stream:
+        """A new CUDA stream (a side stream for copies)."""
+        return torch.cuda.Stream(device=self.device)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        """The stream the caller's kernels are queued on (the compute stream)."""
+        return torch.cuda.current_stream(self.device)
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` in page-locked host memory (itself if it already is)."""
+        return tensor if tensor.is_pinned() else tensor.pin_memory()
+
+    def copy(self, tensor: torch.Tensor, stream: torch.cuda.Stream, non_blocking: bool) -> torch.Tensor:
+        """Queue the copy of ``tensor`` to the device on ``stream``; with ``non_blocking`` the host does not wait for it."""
+        with torch.cuda.stream(stream):
+            return tensor.to(self.device, non_blocking=non_blocking)
+
+    def wait_stream(self, waiter: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
+        """Work queued on ``waiter`` from now on starts only after the work queued on ``stream`` so far."""
+        waiter.wait_stream(stream)
+
+    def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """Tell the caching allocator that ``stream`` uses ``tensor``, so its memory is not reused before that work ends."""
+        tensor.record_stream(stream)
+
+
+class RecordingOps:
+    """A stand-in for ``CudaOps`` that runs anywhere and writes down every call in ``events``, in order.
+
+    Streams are names (``"default stream"``, ``"side stream 1"``, ...), a pinned tensor and a copy
+    are clones, and each tensor is named in the events by ``label(tensor)`` (its first element by
+    default). Events: ``("new_stream", name)``, ``("current_stream", name)``, ``("pin", label)``,
+    ``("copy", label, stream, non_blocking, pinned_before)``, ``("wait_stream", waiter, stream)``,
+    ``("record_stream", label, stream)``; a caller may add its own (``("use", i)``).
+    """
+
+    CALLS = ("new_stream", "current_stream", "pin", "copy", "wait_stream", "record_stream")
+    DEFAULT = "default stream"
+
+    def __init__(self, label: Callable[[torch.Tensor], Any] | None = None) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.label = label or (lambda t: t.reshape(-1)[0].item() if t.numel() else None)
+        self._streams = 0
+        self._pinned: set[Any] = set()
+
+    def new_stream(self) -> str:
+        """A new side stream's name."""
+        self._streams += 1
+        name = f"side stream {self._streams}"
+        self.events.append(("new_stream", name))
+        return name
+
+    def current_stream(self) -> str:
+        """The compute stream's name."""
+        self.events.append(("current_stream", self.DEFAULT))
+        return self.DEFAULT
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A clone of ``tensor``, noted as pinned."""
+        self._pinned.add(self.label(tensor))
+        self.events.append(("pin", self.label(tensor)))
+        return tensor.clone()
+
+    def copy(self, tensor: torch.Tensor, stream: str, non_blocking: bool) -> torch.Tensor:
+        """A clone of ``tensor``, noted as copied on ``stream``."""
+        name = self.label(tensor)
+        self.events.append(("copy", name, stream, bool(non_blocking), name in self._pinned))
+        return tensor.clone()
+
+    def wait_stream(self, waiter: str, stream: str) -> None:
+        """Note that ``waiter`` waits for ``stream``."""
+        self.events.append(("wait_stream", waiter, stream))
+
+    def record_stream(self, tensor: torch.Tensor, stream: str) -> None:
+        """Note that ``stream`` uses ``tensor``."""
+        self.events.append(("record_stream", self.label(tensor), stream))
 
 
 class CudaPrefetcher:
-    """Iterate over ``loader``, delivering each batch already on ``device``.
+    """Iterate over ``loader``, delivering each batch already on ``device``, the next one copied while this one computes.
 
-    On a CUDA device the copy of batch ``i + 1`` is issued on a side stream (from pinned memory,
-    ``non_blocking=True``) as soon as batch ``i`` is handed out, so it overlaps with the compute
-    on batch ``i``. Handing out a batch makes the current stream wait for the side stream
-    (``wait_stream``) and marks its tensors as used by the current stream (``record_stream``), so
-    the caching allocator does not reuse their memory too early.
+    With stream operations (``ops``, a ``CudaOps`` by default on a CUDA device), every tensor of
+    batch ``i + 1`` is pinned and copied with ``non_blocking=True`` on a side stream before batch
+    ``i`` is handed out, so the copy runs while the caller computes on batch ``i``. Before a batch
+    is handed out, the compute stream waits for the side stream (``wait_stream``) and each of its
+    tensors is marked as used by the compute stream (``record_stream``), so that the caching
+    allocator does not give its memory away while the compute may still read it.
 
-    On a CPU (or any non-CUDA device) there is nothing to overlap: it falls back to plain
-    iteration, moving each batch with ``.to(device)``; the values and their order are the same.
+    Without them (a CPU device, no ``ops``) there is nothing to overlap: it is plain iteration,
+    moving each batch with ``.to(device)``; the values and their order are the same.
     """
 
-    def __init__(self, loader: Iterable[Any], device: torch.device | str) -> None:
+    def __init__(self, loader: Iterable[Any], device: torch.device | str, ops: Any = None) -> None:
         self.loader = loader
         self.device = torch.device(device)
-        self.uses_cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        self._stream = torch.cuda.Stream(device=self.device) if self.uses_cuda else None
+        if ops is None and self.device.type == "cuda" and torch.cuda.is_available():
+            ops = CudaOps(self.device)
+        self.ops = ops
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
-    def _copy(self, batch: Any) -> Any:
-        with torch.cuda.stream(self._stream):
-            return to_device(_pin(batch), self.device, non_blocking=True)
-
     def __iter__(self) -> Iterator[Any]:
-        side = self._stream
-        if side is None:  # not CUDA
+        ops = self.ops
+        if ops is None:
             for batch in self.loader:
                 yield to_device(batch, self.device)
             return
+        side, compute = ops.new_stream(), ops.current_stream()
+
+        def issue(batch: Any) -> Any:
+            return map_tensors(lambda t: ops.copy(ops.pin(t), side, True), batch)
+
         it = iter(self.loader)
         try:
-            nxt = self._copy(next(it))
+            nxt = issue(next(it))
         except StopIteration:
             return
-        current = torch.cuda.current_stream(self.device)
         while True:
-            current.wait_stream(side)
+            ops.wait_stream(compute, side)  # the compute waits for the copies queued so far, not for later ones
             batch = nxt
-            for t in _tensors(batch):
-                t.record_stream(current)
+            for t in tensors_of(batch):
+                ops.record_stream(t, compute)
             try:
-                nxt = self._copy(next(it))  # issued now, runs while the caller computes on `batch`
+                nxt = issue(next(it))  # queued now: it runs while the caller computes on `batch`
             except StopIteration:
                 yield batch
                 return
             yield batch
 
 
-# ---- arithmetic: steady state, bottleneck, buffer memory ------------------------------------
+# ---- a model of DataLoader's schedule, and reading a measured timeline ---------------------
 
-def steady_state_step_time(load_time: float, compute_time: float, workers: int) -> float:
-    """Seconds per step once the pipeline is full.
+def simulate_loader(load_times: Sequence[float], compute_time: float, num_workers: int,
+                    prefetch_factor: int = 2) -> list[float]:
+    """When each step of a training loop starts, fed by ``DataLoader(num_workers, prefetch_factor)``; seconds from its start.
 
-    ``load_time``: seconds one worker needs to produce one batch (read + preprocess);
-    ``compute_time``: seconds of the model step. With ``workers == 0`` the main process loads and
-    then computes, one after the other: ``load + compute``. With ``w >= 1`` workers loading in
-    parallel with the compute, batches arrive every ``load / w`` seconds and the step takes
-    ``max(load / w, compute)``.
+    ``load_times[k]``: seconds one worker needs to build batch ``k``; each step computes for
+    ``compute_time``. The rules are those of PyTorch's DataLoader (map-style dataset, in order):
+    with ``num_workers == 0`` the loop loads batch ``k`` itself after step ``k - 1`` ends. With
+    ``w >= 1`` workers, batch ``k`` goes to worker ``k % w``, which builds its batches one at a
+    time in order; batches ``0 .. w * prefetch_factor - 1`` are handed out at time 0, and batch
+    ``k + w * prefetch_factor`` when the loop takes batch ``k``; the loop takes batch ``k`` (step
+    ``k`` starts) once it is built and step ``k - 1`` has ended.
     """
-    if load_time < 0 or compute_time < 0:
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
+    if num_workers and prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor must be at least 1, got {prefetch_factor!r}")
+    if compute_time < 0 or any(t < 0 for t in load_times):
         raise ValueError("times must be non-negative")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise ValueError(f"workers must be a non-negative int, got {workers!r}")
-    if workers == 0:
-        return float(load_time + compute_time)
-    return float(max(load_time / workers, compute_time))
+    starts: list[float] = []
+    end = 0.0  # when the previous step ended
+    if num_workers == 0:
+        for load in load_times:
+            starts.append(end + load)
+            end = starts[-1] + compute_time
+        return starts
+    ahead = num_workers * prefetch_factor
+    free = [0.0] * num_workers  # when each worker finishes the batch it is building
+    for k, load in enumerate(load_times):
+        handed = starts[k - ahead] if k >= ahead else 0.0
+        worker = k % num_workers
+        free[worker] = max(handed, free[worker]) + load
+        starts.append(max(free[worker], end))
+        end = starts[-1] + compute_time
+    return starts
 
 
-def bottleneck(timings: dict[str, float], tol: float = 0.1) -> str:
-    """Which stage limits a pipeline: ``"data"``, ``"transfer"``, ``"compute"`` or ``"balanced"``.
+def bottleneck(timeline: Timeline, tol: float = 0.1) -> str:
+    """Which stage limits a measured run: ``"compute"``, ``"storage"``, ``"preprocess"`` or ``"data"``.
 
-    ``timings`` holds ``"load"`` (seconds per batch for one worker), ``"workers"`` (an int, 0 for
-    loading in the main process), ``"compute"`` (seconds per step) and optionally ``"transfer"``
-    (seconds of the host-to-device copy per batch). The stages' per-batch times are
-    ``load / max(workers, 1)``, ``transfer`` and ``compute``; the slowest one is the bottleneck,
-    unless the runner-up is within ``tol`` (relative) of it: then ``"balanced"``.
+    ``timeline`` is what ``consume_batches`` records: ``"wait"`` and ``"compute"`` spans on the lane
+    ``"accelerator"``, labelled with the step's index, and ``"load"`` / ``"preprocess"`` spans on
+    the loaders' lanes. Step 0, which pays for the start-up, is left out. If the accelerator
+    waited at most ``tol`` of the remaining steps' time, the run is compute-bound; otherwise the
+    data stage with more busy seconds on the loaders' lanes is named (``"storage"`` for
+    ``"load"``, ties included), or ``"data"`` when the timeline has no loader spans.
     """
-    for key in ("load", "compute", "workers"):
-        if key not in timings:
-            raise KeyError(f"timings needs {key!r}")
-    workers = timings["workers"]
-    if workers < 0:
-        raise ValueError("workers must be non-negative")
-    stages = {"data": timings["load"] / max(workers, 1), "compute": timings["compute"]}
-    if "transfer" in timings:
-        stages["transfer"] = timings["transfer"]
-    if any(v < 0 for v in stages.values()):
-        raise ValueError("times must be non-negative")
-    ranked = sorted(stages.items(), key=lambda kv: kv[1], reverse=True)
-    (name, worst), (_, second) = ranked[0], ranked[1]
-    if worst - second <= tol * worst:
-        return "balanced"
-    return name
-
-
-def choose_num_workers(step_times: dict[int, float], tol: float = 0.05) -> int:
-    """The fewest workers whose measured step time is within ``tol`` (relative) of the best one.
-
-    More workers than that cost memory (each keeps its own prefetch buffers and a copy of the
-    dataset object) and CPU cores that the rest of the training process could use, for no speed.
-    """
-    if not step_times:
-        raise ValueError("no measurements")
-    best = min(step_times.values())
-    return min(w for w, t in step_times.items() if t <= best * (1 + tol))
+    steady = [s for s in timeline.of("accelerator") if s.label != "0"]
+    if not steady:
+        raise ValueError("the timeline needs at least two steps on the lane 'accelerator'")
+    wait = sum(s.end - s.start for s in steady if s.kind == "wait")
+    compute = sum(s.end - s.start for s in steady if s.kind == "compute")
+    if wait <= tol * (wait + compute):
+        return "compute"
+    loaders = [s for s in timeline.spans if s.lane != "accelerator"]
+    storage = sum(s.end - s.start for s in loaders if s.kind == "load")
+    cpu = sum(s.end - s.start for s in loaders if s.kind == "preprocess")
+    if not any(s.kind in ("load", "preprocess") for s in loaders):
+        return "data"
+    return "storage" if storage >= cpu else "preprocess"
 
 
 def prefetch_buffer_bytes(batch_size: int, sample_bytes: int, prefetch_factor: int, num_workers: int) -> int:
-    """Bytes held by a DataLoader's prefetch buffers: each worker keeps ``prefetch_factor`` batches ready.
-
-    ``batch_size * sample_bytes * prefetch_factor * num_workers``; with ``num_workers == 0``
-    nothing is prefetched, so 0.
-    """
+    """Bytes of the batches a DataLoader keeps in flight: ``num_workers * prefetch_factor`` batches (0 without workers)."""
     for name, v in (("batch_size", batch_size), ("sample_bytes", sample_bytes),
                     ("prefetch_factor", prefetch_factor), ("num_workers", num_workers)):
         if v < 0:

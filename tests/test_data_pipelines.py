@@ -1,4 +1,4 @@
-"""Unit tests of course_lib.data_pipelines: prefetchers, the throughput model, buffers, timelines."""
+"""Unit tests of course_lib.data_pipelines (prefetchers, DataLoader schedule, bottlenecks, timelines) and its grading harness."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from course_lib import data_pipelines as dp
+from course_lib.exercises import data_pipelines as dpx
 from course_lib.support.timeline import Span, Timeline
 
 
@@ -60,6 +61,16 @@ def test_dataset_is_deterministic_and_records_times() -> None:
         a[8]
 
 
+def test_dataset_latency_pattern_repeats() -> None:
+    ds = dp.SyntheticImages(4, latency=[0.0, 0.02], record=True)
+    fast, slow = ds[2][2], ds[3][2]
+    assert fast[1] - fast[0] < 0.015 <= slow[1] - slow[0]
+    with pytest.raises(ValueError):
+        dp.SyntheticImages(4, latency=[])
+    with pytest.raises(ValueError):
+        dp.SyntheticImages(4, latency=[0.1, -0.1])
+
+
 @pytest.mark.parametrize("depth", [1, 2, 5])
 def test_prefetcher_stays_within_depth(depth: int) -> None:
     src = Counting(30)
@@ -104,7 +115,9 @@ def test_prefetcher_empty_early_stop_gc_and_errors() -> None:
 def test_cuda_prefetcher_falls_back_on_cpu() -> None:
     ds = dp.SyntheticImages(10)
     loader = DataLoader(ds, batch_size=4)
-    got = list(dp.CudaPrefetcher(loader, "cpu"))
+    prefetcher = dp.CudaPrefetcher(loader, "cpu")
+    assert prefetcher.ops is None
+    got = list(prefetcher)
     want = list(loader)
     assert len(got) == len(want) == 3
     for (gx, gy), (wx, wy) in zip(got, want):
@@ -115,35 +128,144 @@ def test_cuda_prefetcher_falls_back_on_cpu() -> None:
     assert out[0]["b"][1] == 3 and torch.equal(out[0]["a"], torch.ones(2))
 
 
+def test_cuda_prefetcher_copies_ahead_through_its_ops() -> None:
+    ops = dp.RecordingOps(label=lambda t: int(t[0]))
+    batches = [(torch.full((2,), float(i)), {"y": torch.full((1,), 10.0 + i)}) for i in range(3)]
+    out = []
+    for batch in dp.CudaPrefetcher(batches, "cuda", ops=ops):
+        ops.events.append(("use", len(out)))
+        out.append(batch)
+    assert [int(b[0][0]) for b in out] == [0, 1, 2] and float(out[2][1]["y"][0]) == 12.0
+    kinds = [e[0] for e in ops.events]
+    assert kinds[:2] == ["new_stream", "current_stream"]
+    # batch 1 is copied before batch 0 is used; the wait for batch 0 comes before batch 1's copy
+    assert ops.events.index(("copy", 1, "side stream 1", True, True)) < ops.events.index(("use", 0))
+    assert kinds.index("wait_stream") < ops.events.index(("copy", 1, "side stream 1", True, True))
+    assert ("record_stream", 10, "default stream") in ops.events
+    assert list(dp.CudaPrefetcher([], "cuda", ops=dp.RecordingOps())) == []
+
+
 @pytest.mark.gpu
-def test_cuda_prefetcher_on_gpu() -> None:
+def test_cuda_prefetcher_on_gpu_overlaps_its_copies() -> None:
     loader = DataLoader(dp.SyntheticImages(10), batch_size=4)
-    got = list(dp.CudaPrefetcher(loader, "cuda"))
-    for (gx, _), (wx, _) in zip(got, loader):
+    for (gx, _), (wx, _) in zip(dp.CudaPrefetcher(loader, "cuda"), loader):
         assert gx.is_cuda
         torch.testing.assert_close(gx.cpu(), wx)
+    dpx.check_gpu_trace(dpx.gpu_copy_trace(dp.CudaPrefetcher, 6), 6)
 
 
-def test_steady_state_and_bottleneck() -> None:
-    assert dp.steady_state_step_time(0.04, 0.01, 0) == pytest.approx(0.05)
-    assert dp.steady_state_step_time(0.04, 0.01, 2) == pytest.approx(0.02)
-    assert dp.steady_state_step_time(0.04, 0.03, 4) == pytest.approx(0.03)
-    for bad in (-1, 1.5, True):
+def test_map_tensors_and_tensors_of_walk_nested_batches() -> None:
+    batch = ({"a": torch.ones(1), "b": [torch.zeros(2), "text"]}, torch.full((1,), 2.0))
+    assert [t.numel() for t in dp.tensors_of(batch)] == [1, 2, 1]
+    doubled = dp.map_tensors(lambda t: t * 2, batch)
+    assert doubled[0]["b"][1] == "text" and float(doubled[1][0]) == 4.0 and isinstance(doubled, tuple)
+
+
+def test_copy_ahead_checker_accepts_the_reference_and_names_each_mistake() -> None:
+    out, events, batches = dpx.run_logged(dp.CudaPrefetcher, 4, ((3,), (2, 2)))
+    dpx.check_copy_ahead(events, 4, 2)
+    assert all(torch.equal(a, b) for got, want in zip(out, batches) for a, b in zip(got, want))
+
+    def without(kind: str) -> list:
+        return [e for e in events if e[0] != kind]
+
+    with pytest.raises(AssertionError, match="waiting for its copy"):
+        dpx.check_copy_ahead(without("wait_stream"), 4, 2)
+    with pytest.raises(AssertionError, match="record_stream"):
+        dpx.check_copy_ahead(without("record_stream"), 4, 2)
+    on_default = [("copy", e[1], "default stream", *e[3:]) if e[0] == "copy" else e for e in events]
+    with pytest.raises(AssertionError, match="not on a side stream"):
+        dpx.check_copy_ahead(on_default, 4, 2)
+    late = [e for e in events if e != ("use", 0)]
+    late.insert(late.index(("pull", 1)), ("use", 0))  # batch 0 handed out before batch 1's copy was queued
+    with pytest.raises(AssertionError, match="queued after batch 0"):
+        dpx.check_copy_ahead(late, 4, 2)
+
+
+class _TooEager(dp.CudaPrefetcher):
+    """Copies every batch before handing out the first."""
+
+    def __iter__(self):
+        ops = self.ops
+        side, compute = ops.new_stream(), ops.current_stream()
+        moved = [dp.map_tensors(lambda t: ops.copy(ops.pin(t), side, True), b) for b in self.loader]
+        for batch in moved:
+            ops.wait_stream(compute, side)
+            for t in dp.tensors_of(batch):
+                ops.record_stream(t, compute)
+            yield batch
+
+
+def test_copy_ahead_checker_bounds_the_lead_to_one_batch() -> None:
+    _, events, _ = dpx.run_logged(_TooEager, 3, ((2,),))
+    with pytest.raises(AssertionError, match="one batch ahead"):
+        dpx.check_copy_ahead(events, 3, 1)
+
+
+def test_gpu_trace_checker_reads_structure() -> None:
+    good = {"values": [0.0, 1.0, 2.0], "waits": 3,
+            "copies": [[0, 10, 7, "Memcpy HtoD (Pinned -> Device)"], [20, 30, 7, "Memcpy HtoD (Pinned -> Device)"],
+                       [120, 130, 7, "Memcpy HtoD (Pinned -> Device)"]],
+            "computes": [[15, 115, 3, "spin_kernel"], [115, 215, 3, "spin_kernel"], [215, 315, 3, "spin_kernel"]]}
+    dpx.check_gpu_trace(good, 3)
+    serial = dict(good, copies=[[0, 10, 3, c[3]] for c in good["copies"]])
+    with pytest.raises(AssertionError, match="compute stream"):
+        dpx.check_gpu_trace(serial, 3)
+    late = dict(good, copies=good["copies"][:1] + [[116, 126, 7, good["copies"][1][3]], good["copies"][2]])
+    with pytest.raises(AssertionError, match="after the compute on batch 0 ended"):
+        dpx.check_gpu_trace(late, 3)
+    with pytest.raises(AssertionError, match="pinned"):
+        dpx.check_gpu_trace(dict(good, copies=[[*c[:3], "Memcpy HtoD (Pageable -> Device)"] for c in good["copies"]]), 3)
+
+
+def test_simulate_loader_follows_the_dataloader_rules() -> None:
+    assert dp.simulate_loader([0.04] * 3, 0.01, 0) == pytest.approx([0.04, 0.09, 0.14])
+    # two workers, data-bound: batches 0 and 1 at 40 ms, then one every 20 ms on average (pairs at 80 ms)
+    assert dp.simulate_loader([0.04] * 4, 0.01, 2) == pytest.approx([0.04, 0.05, 0.08, 0.09])
+    # in order: batch 1 is slow, batch 2 (worker 0, ready at 20 ms) waits for it
+    assert dp.simulate_loader([0.01, 0.1, 0.01], 0.0, 2) == pytest.approx([0.01, 0.1, 0.1])
+    # one batch in flight per worker: batch 1 is handed out only when the loop takes batch 0
+    assert dp.simulate_loader([0.01, 0.01, 0.01], 0.05, 1, 1) == pytest.approx([0.01, 0.06, 0.11])
+    assert dp.simulate_loader([0.01, 0.01, 0.01], 0.05, 1, 3) == pytest.approx([0.01, 0.06, 0.11])
+    # a slow batch later on: with three in flight the worker started it while the loop was busy
+    assert dp.simulate_loader([0.01, 0.01, 0.1, 0.01], 0.05, 1, 1) == pytest.approx([0.01, 0.06, 0.16, 0.21])
+    assert dp.simulate_loader([0.01, 0.01, 0.1, 0.01], 0.05, 1, 3) == pytest.approx([0.01, 0.06, 0.12, 0.17])
+    assert dp.simulate_loader([], 0.01, 2) == []
+    for bad in ((-1, 2), (True, 2), (1, 0)):
         with pytest.raises(ValueError):
-            dp.steady_state_step_time(0.1, 0.1, bad)
-    assert dp.bottleneck({"load": 0.04, "compute": 0.01, "workers": 2}) == "data"
-    assert dp.bottleneck({"load": 0.04, "compute": 0.03, "workers": 4}) == "compute"
-    assert dp.bottleneck({"load": 0.04, "compute": 0.0195, "workers": 2}) == "balanced"
-    assert dp.bottleneck({"load": 0.01, "compute": 0.01, "workers": 1, "transfer": 0.05}) == "transfer"
-    with pytest.raises(KeyError):
-        dp.bottleneck({"load": 1.0, "compute": 1.0})
-
-
-def test_choose_num_workers() -> None:
-    assert dp.choose_num_workers({0: 0.05, 1: 0.03, 2: 0.0201, 3: 0.02}) == 2
-    assert dp.choose_num_workers({0: 0.01, 1: 0.02}) == 0
+            dp.simulate_loader([0.01], 0.01, *bad)
     with pytest.raises(ValueError):
-        dp.choose_num_workers({})
+        dp.simulate_loader([-0.01], 0.01, 1)
+
+
+def test_simulate_loader_reaches_the_steady_state() -> None:
+    starts = dp.simulate_loader([0.03] * 40, 0.01, 2, 2)
+    assert starts[-1] - starts[-2] + starts[-2] - starts[-3] == pytest.approx(2 * 0.015)
+    starts = dp.simulate_loader([0.03] * 40, 0.02, 4, 2)
+    assert starts[-1] - starts[-2] == pytest.approx(0.02)
+
+
+def _run(steps, loaders=()):
+    spans, t = [], 0.0
+    for i, (wait, compute) in enumerate(steps):
+        spans += [("accelerator", "wait", str(i), t, t + wait), ("accelerator", "compute", str(i), t + wait, t + wait + compute)]
+        t += wait + compute
+    for k, (lane, kind, seconds) in enumerate(loaders):
+        spans.append((lane, kind, str(k), 0.0, seconds))
+    return Timeline(spans)
+
+
+def test_bottleneck_reads_a_timeline() -> None:
+    reads = [("main thread", "load", 0.012), ("main thread", "preprocess", 0.003)] * 4
+    assert dp.bottleneck(_run([(0.015, 0.015)] * 4, reads)) == "storage"
+    cpu_heavy = [("worker 0", "preprocess", 0.02), ("worker 0", "load", 0.001)]
+    assert dp.bottleneck(_run([(0.015, 0.015)] * 4, cpu_heavy)) == "preprocess"
+    assert dp.bottleneck(_run([(0.5, 0.02)] + [(0.001, 0.02)] * 5, reads)) == "compute"  # step 0 is start-up
+    assert dp.bottleneck(_run([(0.01, 0.01)] * 3)) == "data"
+    assert dp.bottleneck(_run([(0.004, 0.016)] * 3, reads), tol=0.25) == "compute"
+    assert dp.bottleneck(_run([(0.004, 0.016)] * 3, reads), tol=0.15) == "storage"
+    with pytest.raises(ValueError):
+        dp.bottleneck(_run([(0.01, 0.01)], reads))
 
 
 def test_prefetch_buffer_bytes() -> None:
