@@ -10,13 +10,19 @@ This module holds the reference pieces, written to match PyTorch step by step:
     mw = mp.MasterWeights(model, torch.bfloat16) # 16-bit working copy + fp32 master params
     loss = mp.mixed_precision_step(mw.model, mw.params, opt, scaler, mp.gpt_loss(x, y))
     mp.underflow_fraction(grads, torch.float16)  # share of nonzero values that cast to 0
-    mp.autocast_dtypes(model, (x,), "cpu", torch.bfloat16)  # [(op, output dtype), ...]
+    mp.clipped_scaled_step(loss_fn, opt, state, max_norm=1.0)   # loss scaling + clipping, GradScaler's order
+    mp.autocast_step(model, opt, x, y, torch.bfloat16)          # the autocast style of a step
+    mp.measure_step(step, params, opt, device)                  # time per step and the bytes it holds
+    mp.autocast_dtypes(model, (x,), "cpu", torch.bfloat16)      # [(op, output dtype), ...]
+
+fp8 compute (scaled casts, ``torch._scaled_mm``) lives in ``course_lib.fp8``.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +32,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib import memory_math as mm
+from course_lib.profiling import Timing, benchmark
+from course_lib.support.sizes import tensor_bytes
 
 __all__ = [
     "underflow_fraction",
@@ -41,8 +49,11 @@ __all__ = [
     "master_to_model",
     "gpt_loss",
     "mixed_precision_step",
+    "clipped_scaled_step",
+    "autocast_step",
+    "StepMeasurement",
+    "measure_step",
     "autocast_dtypes",
-    "mixed_precision_bytes",
 ]
 
 # ---- gradient underflow ----------------------------------------------------------------------
@@ -331,6 +342,40 @@ def mixed_precision_step(
     return float(loss.detach())
 
 
+# ---- loss scaling with gradient clipping ----------------------------------------------------
+
+
+def clipped_scaled_step(
+    loss_fn: Callable[[], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    max_norm: float,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+) -> float | None:
+    """One step with a dynamic loss scale and gradient clipping; the gradient norm before clipping, None if skipped.
+
+    ``state`` holds ``"scale"`` and ``"growth_tracker"`` and is updated in place. In order: clear
+    the gradients; backward on ``loss_fn() * scale``; unscale every gradient of every parameter
+    group and look for inf/NaN; with none, clip the *unscaled* gradients to total norm
+    ``max_norm`` and step, with one, do neither; then update the scale. Equal to
+    ``GradScaler.scale(loss).backward(); unscale_(opt); clip_grad_norm_(params, max_norm); step(opt); update()``.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn()
+    (loss * torch.tensor(_f32(state["scale"]), dtype=torch.float32, device=loss.device)).backward()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    found_inf = unscale_and_check([p.grad for p in params], state["scale"])
+    norm = None
+    if not found_inf:  # clipping scaled gradients would compare s * |g| with max_norm
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        optimizer.step()
+    state["scale"], state["growth_tracker"] = update_scale(
+        state["scale"], state["growth_tracker"], found_inf, growth_factor, backoff_factor, growth_interval)
+    return norm
+
+
 # ---- autocast: which op ran in which dtype --------------------------------------------------
 
 
@@ -362,16 +407,82 @@ def autocast_dtypes(
     return mode.records
 
 
-# ---- memory of a mixed-precision step (chapter 02's regimes) ---------------------------------
+# ---- autocast end to end: a step, its time and its memory ------------------------------------
 
 
-def mixed_precision_bytes(num_params: float, optimizer: str = "adam", fp32_grads: bool = False) -> mm.MemoryBreakdown:
-    """Bytes of weights, gradients and optimizer state for mixed-precision training of ``num_params`` parameters.
+def autocast_step(
+    model: Callable[..., Any],
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    scaler: Any = None,
+) -> float:
+    """One training step of an fp32 model, forward and loss under ``torch.autocast(dtype)``; returns the loss.
 
-    16-bit weights (2 bytes), 16-bit gradients (2, or 4 with ``fp32_grads``), and in the optimizer
-    an fp32 master weight (4) plus 4 bytes per optimizer state (``memory_math.OPTIMIZER_STATES``):
-    chapter 02's mixed-precision regime (``memory_math.bytes_per_param``) for ``num_params``.
-    ValueError for an unknown optimizer or a negative count.
+    ``model(inputs, targets)`` returns (logits, loss), as the course's GPT does. The backward pass
+    and the optimizer step run outside autocast. ``dtype=None`` is the plain fp32 step. With a
+    ``scaler`` (``torch.amp.GradScaler`` or this module's): backward on ``scaler.scale(loss)``,
+    then ``scaler.step(optimizer)`` and ``scaler.update()``.
     """
-    regime = mm.Regime(f"mixed_{optimizer}", optimizer, mixed_precision=True, fp32_grads=fp32_grads)
-    return mm.training_memory(num_params, regime)
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(inputs.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        _, loss = model(inputs, targets)
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return float(loss.detach())
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """Time per training step and the bytes it holds.
+
+    ``state_bytes``: weights, gradients and optimizer states after a step; ``saved_bytes``: the
+    peak of what autograd saved for the backward pass during a step (parameters excluded; None when
+    not counted);
+    ``cuda_peak_bytes``: on a CUDA device, the allocator's peak during a step (everything:
+    states, saved tensors, temporaries, autocast's casts); None elsewhere.
+    """
+
+    seconds: Timing
+    state_bytes: int
+    saved_bytes: int | None
+    cuda_peak_bytes: int | None
+
+
+def measure_step(
+    step: Callable[[], Any],
+    params: Sequence[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    device: torch.device | str,
+    warmup: int = 2,
+    repeat: int = 5,
+    count_saved: bool = True,
+) -> StepMeasurement:
+    """Time ``step()`` with ``profiling.benchmark`` and measure its memory (see ``StepMeasurement``).
+
+    ``params`` lists every tensor the step trains (a 16-bit model's and its fp32 masters both);
+    their ``.grad`` and ``optimizer.state`` count as state too. ``count_saved=False`` skips the
+    saved-tensor hooks (a compiled model would be traced again under them).
+    """
+    device = torch.device(device)
+    seconds = benchmark(step, warmup=warmup, repeat=repeat, device=device)
+    saved = None
+    if count_saved:
+        with mm.SavedBytesTracker() as tracker:
+            step()
+        saved = tracker.peak
+    state = tensor_bytes(list(params)) + tensor_bytes([p.grad for p in params]) + tensor_bytes(optimizer.state)
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    return StepMeasurement(seconds, state, saved, peak)
