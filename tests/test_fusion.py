@@ -120,6 +120,21 @@ def test_softmax_backward_standalone(shape, block_size):
     assert_close(fusion.softmax_backward(y.detach(), dy, block_size=block_size), expected, atol=1e-7)
 
 
+def test_softmax_and_its_backward_take_views():
+    x = _rand(20, 3, scale=3.0).t()  # (3, 20), rows not packed
+    wide = _rand(4, 40)[:, 5:22]  # rows of 17 with a stride of 40
+    for v in (x, wide, _rand(9, 3, 2).permute(2, 1, 0)):
+        assert_close(fusion.softmax(v), torch.softmax(v, dim=-1), name=f"softmax of a view {tuple(v.shape)}")
+        y = torch.softmax(v, dim=-1)
+        dy = _rand(*reversed(v.shape), seed=1).permute(*reversed(range(v.dim())))
+        xr = v.clone().requires_grad_()
+        (expected,) = torch.autograd.grad(torch.softmax(xr, dim=-1), xr, dy)
+        assert_close(fusion.softmax_backward(y, dy), expected, atol=1e-7, name=f"softmax_backward of a view {tuple(v.shape)}")
+        xa = v.clone().requires_grad_()
+        (got,) = torch.autograd.grad(fusion.softmax(xa), xa, dy)
+        assert_close(got, expected, atol=1e-7, name=f"softmax autograd with a view {tuple(v.shape)}")
+
+
 def test_softmax_rejects_bad_block():
     with pytest.raises(ValueError):
         fusion.softmax(torch.zeros(2, 3), block_size=12)
@@ -220,3 +235,121 @@ def test_flat_adam_gpu(decoupled, weight_decay):
     # On CUDA torch.optim takes its foreach path and the compiler contracts a*b+c into FMAs, so a
     # few of a million values end 20 steps a couple of ulps of the step apart (seen: 1.1e-6).
     _check_flat_adam(decoupled, weight_decay, [(1000, 1000), (4097,), (3, 333, 7)], "cuda", atol=5e-6)
+
+
+# ---- cross-entropy -------------------------------------------------------------------------------
+
+def _check_cross_entropy(n, vocab, *, dtype=torch.float32, device=DEV, block_size=fusion.CROSS_ENTROPY_BLOCK,
+                         ignore_index=-100, ignored=(), scale=2.0, shift=0.0, grad=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, vocab, generator=gen) * scale + shift).to(device, dtype)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    targets[list(ignored)] = ignore_index
+    targets = targets.to(device)
+    mine = logits.clone().requires_grad_()
+    loss = fusion.cross_entropy(mine, targets, ignore_index=ignore_index, block_size=block_size)
+    (dx,) = torch.autograd.grad(loss, mine, torch.tensor(grad, device=device))
+    ref = logits.double().requires_grad_()
+    ref_loss = F.cross_entropy(ref, targets, ignore_index=ignore_index)
+    (ref_dx,) = torch.autograd.grad(ref_loss, ref, torch.tensor(grad, dtype=torch.float64, device=device))
+    what = f"cross_entropy({n}x{vocab} {dtype}, block_size={block_size}, ignored={list(ignored)})"
+    assert loss.dtype == torch.float32 and dx.dtype == dtype
+    assert_close(loss, ref_loss.float(), rtol=1e-5, atol=1e-5 * (1 + 3 * scale + abs(shift)), name=f"{what} loss")
+    # exp(x - lse) of fp32 values near |shift| is good to about an ulp of |shift|, relatively.
+    tol = dict(rtol=1e-4 + 2e-7 * abs(shift), atol=1e-7) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-6)
+    assert_close(dx, ref_dx.to(dtype), name=f"{what} dlogits", **tol)
+
+
+@pytest.mark.parametrize("n, vocab, block_size", [(4, 100, 64), (5, 37, 64), (3, 300, 128), (2, 1, 16), (6, 64, 64)])
+def test_cross_entropy_fp32(n, vocab, block_size):
+    _check_cross_entropy(n, vocab, block_size=block_size, ignored=(1,), grad=2.5)
+
+
+@pytest.mark.parametrize("scale, shift", [(1000.0, 0.0), (1.0, 1e4), (1.0, -1e4)])
+def test_cross_entropy_large_logits(scale, shift):
+    _check_cross_entropy(3, 150, block_size=64, scale=scale, shift=shift)
+
+
+def test_cross_entropy_ignore_index_is_any_class():
+    _check_cross_entropy(4, 90, block_size=32, ignore_index=3, ignored=(0, 2), grad=-0.5)
+
+
+def test_cross_entropy_forward_rows_and_masked_vocabulary():
+    logits = _rand(3, 70, scale=3.0)
+    logits[1, :40] = -float("inf")  # whole first blocks masked (a restricted vocabulary)
+    targets = torch.tensor([5, 50, -100], device=DEV)
+    losses, lse = fusion.cross_entropy_forward(logits, targets, block_size=16)
+    assert_close(lse, torch.logsumexp(logits, dim=-1), name="lse")
+    assert_close(losses, F.cross_entropy(logits, targets, reduction="none"), name="losses")
+
+
+def test_cross_entropy_all_rows_ignored_is_nan_like_torch():
+    logits, targets = _rand(3, 20), torch.full((3,), -100, device=DEV)
+    assert torch.isnan(fusion.cross_entropy(logits, targets)) and torch.isnan(F.cross_entropy(logits, targets))
+
+
+def test_cross_entropy_is_two_launches_and_saves_no_probabilities():
+    from course_lib.support.launches import watch_launches
+
+    logits, targets = _rand(4, 100).requires_grad_(), torch.tensor([1, -100, 7, 99], device=DEV)
+    saved = []
+    with watch_launches() as launches, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = fusion.cross_entropy(logits, targets, block_size=32)
+        loss.backward()
+    assert [launch.name for launch in launches] == ["_cross_entropy_fwd_kernel", "_cross_entropy_bwd_kernel"]
+    assert [launch.grid for launch in launches] == [(4,), (4,)]
+    assert all(launch.scalars["BLOCK"] == 32 for launch in launches)
+    mine = logits.untyped_storage().data_ptr()
+    assert not [t for t in saved if t.numel() >= logits.numel() and t.untyped_storage().data_ptr() != mine]
+
+
+def test_cross_entropy_rejects_bad_input():
+    with pytest.raises(ValueError):
+        fusion.cross_entropy(torch.zeros(2, 3, 4), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError):
+        fusion.cross_entropy(torch.zeros(2, 3), torch.zeros(2))  # float targets: probabilities are not supported
+    with pytest.raises(ValueError):
+        fusion.cross_entropy_forward(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64), block_size=24)
+
+
+def test_cross_entropy_benchmark_plumbing():
+    from benchmarks import cross_entropy as bench
+
+    impls = bench.implementations("cpu")
+    assert list(impls) == ["eager F.cross_entropy", "course_lib"]
+    record = bench.case(8, 100, torch.float32, impls, ms=lambda fn, grads: (fn(), 1.0)[1], device=DEV.type)
+    assert record["logits_bytes"] == 8 * 100 * 4 and record["fused_bytes"] == 3 * record["logits_bytes"]
+    assert record["ignored_rows"] == 1
+    for row in record["rows"]:
+        assert row["error"] is None, row
+        assert row["forward_ms"] == row["step_ms"] == 1.0 and row["grad_error"] < 1e-5
+
+
+def test_cross_entropy_benchmark_needs_a_gpu():
+    if env.HAS_GPU:
+        pytest.skip("on a GPU the benchmark runs")
+    from benchmarks import cross_entropy as bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main([])
+    assert exc.value.code == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("n, vocab, block_size", [(64, 50257, 4096), (16, 128256, 4096), (33, 1000, 256), (8, 3, 64)])
+def test_cross_entropy_gpu(dtype, n, vocab, block_size):
+    _check_cross_entropy(n, vocab, dtype=dtype, device="cuda", block_size=block_size, ignored=(0, 5 % n), grad=1.5)
+
+
+@pytest.mark.gpu
+def test_cross_entropy_gpu_past_int32_offsets():
+    # 16,400 rows x 131,072 columns in bf16: the last rows start past element 2**31.
+    n, vocab = 16400, 131072
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16)
+    targets = torch.randint(0, vocab, (n,), device="cuda")
+    losses, lse = fusion.cross_entropy_forward(logits, targets)
+    tail = slice(n - 8, n)
+    assert_close(lse[tail], torch.logsumexp(logits[tail].float(), dim=-1), rtol=1e-5, atol=1e-4, name="lse past 2**31")
+    assert_close(losses[tail], F.cross_entropy(logits[tail].float(), targets[tail], reduction="none"),
+                 rtol=1e-5, atol=1e-4, name="losses past 2**31")

@@ -5,6 +5,10 @@
 - ``softmax``: a numerically stable softmax over the last dimension, forward and backward, with
   an online (running max and sum) pass for rows wider than one block; ``softmax_backward``
   exposes the backward kernel on its own.
+- ``cross_entropy``: the mean cross-entropy of (tokens, vocabulary) logits, as ``F.cross_entropy``
+  with ``ignore_index``: a forward kernel (online logsumexp, one read of the logits) and a backward
+  kernel (softmax - onehot from the saved logsumexp) in an autograd.Function;
+  ``cross_entropy_forward`` and ``cross_entropy_backward`` are the two launches.
 - ``adam_step_`` and ``FlatAdam``: a whole Adam/AdamW step in one pass over flat fp32 buffers.
 
 Every kernel computes in fp32 and stores in the tensor's own dtype. Under Triton's CPU
@@ -13,6 +17,7 @@ interpreter (no GPU) keep shapes tiny: each program runs in Python.
     y = fusion.bias_gelu(x, b)                 # x: (..., n), b: (n,)
     p = fusion.softmax(x)                      # over the last dim
     p = fusion.softmax(x, block_size=16)       # force the online path for rows wider than 16
+    loss = fusion.cross_entropy(logits, targets, ignore_index=-100)   # logits (n, vocab), targets (n,)
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ __all__ = [
     "bias_gelu",
     "softmax",
     "softmax_backward",
+    "CROSS_ENTROPY_BLOCK",
+    "cross_entropy_forward",
+    "cross_entropy_backward",
+    "cross_entropy",
     "adam_step_",
     "FlatAdam",
 ]
@@ -46,6 +55,8 @@ SOFTMAX_MAX_BLOCK = 16384
 # Elements per program of the element-wise kernels: enough work per program to hide memory
 # latency with several 16-byte loads per thread in flight.
 ELEMENTWISE_BLOCK = 4096
+# Columns per block of the cross-entropy kernels: a 128k-entry vocabulary row is walked in 32 blocks.
+CROSS_ENTROPY_BLOCK = 4096
 
 
 def _check_contiguous(*tensors: Tensor) -> None:
@@ -271,7 +282,7 @@ def _softmax_launch(n_rows: int, n_cols: int, max_block: int) -> tuple[bool, int
 class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, max_block: int) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels find row i at i * n_cols: a view is packed first
         n_rows, n_cols = x2.shape
         y = torch.empty_like(x2)
         online, block_m, block_n, warps = _softmax_launch(n_rows, n_cols, max_block)
@@ -289,7 +300,7 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple[Tensor, None]:
         (y,) = ctx.saved_tensors
-        return _softmax_backward(y, dy.contiguous().view(y.shape), ctx.max_block).view(ctx.shape), None
+        return _softmax_backward(y, dy.reshape(y.shape).contiguous(), ctx.max_block).view(ctx.shape), None
 
 
 def _softmax_backward(y: Tensor, dy: Tensor, max_block: int) -> Tensor:
@@ -307,7 +318,7 @@ def _softmax_backward(y: Tensor, dy: Tensor, max_block: int) -> Tensor:
 
 
 def softmax(x: Tensor, *, block_size: int | None = None) -> Tensor:
-    """Softmax over the last dim of a contiguous tensor; differentiable.
+    """Softmax over the last dim of a tensor of any layout (a view is packed first); differentiable.
 
     Rows up to ``block_size`` wide (a power of two, default ``SOFTMAX_MAX_BLOCK``) are done in
     registers in one pass; wider rows by an online pass over column blocks of that size.
@@ -317,18 +328,136 @@ def softmax(x: Tensor, *, block_size: int | None = None) -> Tensor:
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if x.dim() == 0:
         raise ValueError("softmax needs at least one dimension")
-    _check_contiguous(x)
     return _Softmax.apply(x, max_block)
 
 
 def softmax_backward(y: Tensor, dy: Tensor, *, block_size: int | None = None) -> Tensor:
-    """The gradient y * (dy - sum(dy * y)) of a softmax over the last dim, from its output ``y`` and ``dy``."""
+    """The gradient y * (dy - sum(dy * y)) of a softmax over the last dim, from its output ``y`` and ``dy`` (any layouts)."""
     max_block = SOFTMAX_MAX_BLOCK if block_size is None else block_size
     if y.shape != dy.shape or y.dim() == 0:
         raise ValueError(f"y and dy must have one shape of at least one dim, got {tuple(y.shape)} and {tuple(dy.shape)}")
-    _check_contiguous(y, dy)
     n_cols = y.shape[-1]
-    return _softmax_backward(y.reshape(-1, n_cols), dy.reshape(-1, n_cols), max_block).view(y.shape)
+    y2, dy2 = (t.reshape(-1, n_cols).contiguous() for t in (y, dy))
+    return _softmax_backward(y2, dy2, max_block).view(y.shape)
+
+
+# ---- cross-entropy over a large vocabulary ---------------------------------------------------
+
+@triton.jit
+def _cross_entropy_fwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, n_cols, row_stride, ignore_index,
+                              BLOCK: tl.constexpr):
+    # One program per row (token). The row (the vocabulary) is read once, block by block, keeping
+    # a running max m and a running sum s of exp(x - m) that is rescaled whenever m grows (the
+    # online softmax of the wide-row kernel above, with scalars instead of one pair per lane).
+    row = tl.program_id(0).to(tl.int64)  # int64: 16k tokens x 128k vocabulary is past 2**31 elements
+    base = logits_ptr + row * row_stride
+    m = -float("inf")  # scalars: fp32 once the loop has run
+    s = 0.0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row that is all -inf so far: s stays 0
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    target = tl.load(targets_ptr + row)
+    valid = target != ignore_index
+    # The target's logit: one more element, read only for rows that count (ignore_index = -100 is no column).
+    x_target = tl.load(base + target, mask=valid, other=0.0).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(valid, lse - x_target, 0.0))
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _cross_entropy_bwd_kernel(logits_ptr, targets_ptr, lse_ptr, scale_ptr, dlogits_ptr, n_cols, row_stride,
+                              ignore_index, BLOCK: tl.constexpr):
+    # dlogits = (softmax(x) - onehot(target)) * scale, softmax(x) = exp(x - lse) from the saved
+    # logsumexp: one read of the logits and one write of the gradient, no reduction left to do.
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(targets_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    scale = tl.load(scale_ptr)  # d(loss)/d(loss of a row): grad_output / number of rows that count
+    scale = tl.where(target != ignore_index, scale, 0.0)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(logits_ptr + row * row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        d = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+        tl.store(dlogits_ptr + row * n_cols + cols, d.to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_cross_entropy_args(logits: Tensor, targets: Tensor) -> None:
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(f"expected logits (n, vocab) and targets (n,), got {tuple(logits.shape)} and {tuple(targets.shape)}")
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"targets must be class indices (int64), got {targets.dtype}")
+    if logits.stride(-1) != 1:
+        raise ValueError(f"the vocabulary dim of logits must be contiguous, got strides {logits.stride()}")
+
+
+def _cross_entropy_block(n_cols: int, block_size: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for rows of ``n_cols``: a block of at most ``block_size`` columns, about 16 per thread."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    block = min(block_size, triton.next_power_of_2(max(n_cols, 1)))
+    return block, min(16, max(1, block // 512))
+
+
+def cross_entropy_forward(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
+                          block_size: int = CROSS_ENTROPY_BLOCK) -> tuple[Tensor, Tensor]:
+    """(losses, lse) of (n, vocab) logits, one kernel: fp32 per-row loss (0 where ignored) and logsumexp."""
+    _check_cross_entropy_args(logits, targets)
+    n_rows, n_cols = logits.shape
+    losses = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
+    lse = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
+    block, warps = _cross_entropy_block(n_cols, block_size)
+    if n_rows:
+        _cross_entropy_fwd_kernel[(n_rows,)](logits, targets, losses, lse, n_cols, logits.stride(0), ignore_index,
+                                             BLOCK=block, num_warps=warps)
+    return losses, lse
+
+
+def cross_entropy_backward(logits: Tensor, targets: Tensor, lse: Tensor, scale: Tensor, *, ignore_index: int = -100,
+                           block_size: int = CROSS_ENTROPY_BLOCK) -> Tensor:
+    """dlogits = (softmax(logits) - onehot(targets)) * scale, 0 on ignored rows, one kernel; ``scale``: 1 fp32 value."""
+    _check_cross_entropy_args(logits, targets)
+    n_rows, n_cols = logits.shape
+    dlogits = torch.empty(n_rows, n_cols, device=logits.device, dtype=logits.dtype)
+    block, warps = _cross_entropy_block(n_cols, block_size)
+    if n_rows:
+        _cross_entropy_bwd_kernel[(n_rows,)](logits, targets, lse, scale, dlogits, n_cols, logits.stride(0),
+                                             ignore_index, BLOCK=block, num_warps=warps)
+    return dlogits
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int, block_size: int) -> Tensor:
+        losses, lse = cross_entropy_forward(logits, targets, ignore_index=ignore_index, block_size=block_size)
+        n_valid = (targets != ignore_index).sum()
+        # Saved: the logits (alive anyway as the model's output) and n floats, never an (n, vocab) softmax.
+        ctx.save_for_backward(logits, targets, lse, n_valid)
+        ctx.ignore_index, ctx.block_size = ignore_index, block_size
+        return losses.sum() / n_valid  # the mean over the rows that count; NaN when none does, as in torch
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        logits, targets, lse, n_valid = ctx.saved_tensors
+        scale = (grad / n_valid).to(torch.float32).reshape(1)  # stays on the device: no .item(), no sync
+        dlogits = cross_entropy_backward(logits, targets, lse, scale, ignore_index=ctx.ignore_index,
+                                         block_size=ctx.block_size)
+        return dlogits, None, None, None
+
+
+def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
+                  block_size: int = CROSS_ENTROPY_BLOCK) -> Tensor:
+    """Mean cross-entropy of (n, vocab) logits and (n,) class indices, as F.cross_entropy; fp32; differentiable.
+
+    One kernel forward (online logsumexp) and one backward (softmax - onehot from the saved
+    logsumexp); rows whose target is ``ignore_index`` count neither in the mean nor in the gradient.
+    """
+    return _CrossEntropy.apply(logits, targets, ignore_index, block_size)
 
 
 # ---- fused Adam ------------------------------------------------------------------------------

@@ -1,0 +1,198 @@
+"""Chapter 08's GPU table: cross-entropy over a large vocabulary, the course's fused kernels beside PyTorch's.
+
+    python -m benchmarks.cross_entropy [--out PATH] [--quick]
+
+writes ``benchmarks/results/cross_entropy_<gpu>.json`` (``cross_entropy_<gpu>-quick.json`` with
+``--quick``), which the chapter renders with ``course_lib.support.records.load_record``. For bf16
+logits of 8192 tokens over the vocabularies of GPT-2 (50,257) and Llama 3 (128,256), an eighth of
+the rows ignored (``ignore_index=-100``), it measures three implementations of the mean loss:
+
+- ``eager F.cross_entropy``: ``log_softmax`` and ``nll_loss``, forward and backward;
+- ``torch.compile``: ``torch.compile(F.cross_entropy)``, which Inductor fuses into generated Triton kernels;
+- ``course_lib``: ``course_lib.kernels.fusion.cross_entropy``, one forward and one backward kernel.
+
+Each is first checked against ``F.cross_entropy`` in fp32 (loss and gradient, relative to their
+largest value). Then, per implementation: the forward alone and the forward + backward
+(``loss.backward()``, the gradient reset to None before each call), each the median of
+``triton.testing.do_bench`` (which flushes L2 between calls); the peak memory that one forward +
+backward allocates beyond what was allocated before it (the logits and the targets), the gradient
+included; and the CUDA kernels that one forward + backward launches (``torch.profiler``). The
+device-to-device copy bandwidth is measured in the same run. An implementation that fails is
+recorded with its error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.report import gpu_slug
+
+__all__ = ["FULL", "QUICK", "case", "implementations", "main", "measure"]
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FULL = {"tokens": 8192, "vocabs": [50257, 128256], "warmup_ms": 25, "rep_ms": 100, "copy_numel": 2**28}
+QUICK = {"tokens": 1024, "vocabs": [50257], "warmup_ms": 5, "rep_ms": 20, "copy_numel": 2**24}
+IGNORED_EVERY = 8  # one row in 8 is padding
+TOLERANCE = 5e-2  # max |ours - fp32 reference| / max |reference|: a sanity check, bf16 outputs
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Timer = Callable[[Callable[[], Any], list[torch.Tensor]], float]
+
+
+def implementations(device: str = "cuda") -> dict[str, Loss]:
+    """The cross-entropies compared, by name (``torch.compile`` only on a GPU)."""
+    from course_lib.kernels import fusion
+
+    impls: dict[str, Loss] = {"eager F.cross_entropy": F.cross_entropy}
+    if device == "cuda":
+        impls["torch.compile"] = torch.compile(F.cross_entropy, dynamic=False)
+    impls["course_lib"] = fusion.cross_entropy
+    return impls
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = expected.float().abs().max().item() or 1.0
+    return (actual.float() - expected.float()).abs().max().item() / scale
+
+
+def _cuda_kernels(fn: Callable[[], Any]) -> list[str]:
+    """Names of the CUDA kernels one call of ``fn`` launches (memsets and copies left out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memset", "Memcpy"))]
+
+
+def case(tokens: int, vocab: int, dtype: torch.dtype, impls: dict[str, Loss], ms: Timer, device: str = "cuda",
+         seed: int = 0) -> dict[str, Any]:
+    """One shape: every implementation checked, then timed by ``ms(fn, grads_to_reset)``; a dict of plain data."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(tokens, vocab, generator=gen) * 2).to(device, dtype).requires_grad_(True)
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    targets[::IGNORED_EVERY] = -100
+    targets = targets.to(device)
+    reference = logits.detach().float().requires_grad_(True)
+    ref_loss = F.cross_entropy(reference, targets)
+    (ref_grad,) = torch.autograd.grad(ref_loss, reference)
+    itemsize = logits.element_size()
+    rows = []
+    for name, fn in impls.items():
+        row: dict[str, Any] = {"name": name, "error": None}
+        try:
+            def step() -> None:
+                fn(logits, targets).backward()  # noqa: B023 - called within this iteration only
+
+            loss = fn(logits, targets)
+            (grad,) = torch.autograd.grad(loss, logits)
+            row["loss_error"] = _relative_error(loss.detach(), ref_loss.detach())
+            row["grad_error"] = _relative_error(grad, ref_grad)
+            if not max(row["loss_error"], row["grad_error"]) <= TOLERANCE:  # NaN fails too
+                raise AssertionError(f"differs from fp32 F.cross_entropy: loss {row['loss_error']:.2e}, "
+                                     f"gradient {row['grad_error']:.2e} (relative to the largest value)")
+            del loss, grad
+            row["forward_ms"] = ms(lambda: fn(logits, targets), [])  # noqa: B023
+            row["step_ms"] = ms(step, [logits])
+            logits.grad = None
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                step()
+                torch.cuda.synchronize()
+                row["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - before
+                logits.grad = None
+                names = _cuda_kernels(step)
+                logits.grad = None
+                row["cuda_kernels"], row["kernel_names"] = len(names), sorted(set(names))
+        except Exception as exc:  # noqa: BLE001 - a failing implementation is a row of the record
+            row["error"] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        logits.grad = None
+        rows.append(row)
+        print(f"{tokens} x {vocab:6d} {name:22s} " + (
+            f"forward {row['forward_ms']:.3f} ms, forward + backward {row['step_ms']:.3f} ms"
+            if row["error"] is None else row["error"]), flush=True)
+    return {"tokens": tokens, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."),
+            "ignored_rows": int((targets == -100).sum()), "logits_bytes": tokens * vocab * itemsize,
+            "fused_bytes": 3 * tokens * vocab * itemsize, "rows": rows}
+
+
+def _copy_gbps(numel: int, ms: Timer) -> float:
+    """Device-to-device bandwidth of ``dst.copy_(src)`` on fp32, bytes read + written."""
+    src = torch.randn(numel, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * numel * 4 / (ms(lambda: dst.copy_(src), []) * 1e-3) / 1e9
+
+
+def _driver() -> str:
+    """The NVIDIA driver's version, as nvidia-smi reports it."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return out.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+def measure(quick: bool = False) -> dict[str, Any]:
+    """The record: every shape, with the facts of the run (date, GPU, driver, versions)."""
+    import triton
+    from triton.testing import do_bench
+
+    config: dict[str, Any] = QUICK if quick else FULL
+
+    def ms(fn: Callable[[], Any], grads: list[torch.Tensor]) -> float:
+        return float(do_bench(fn, warmup=config["warmup_ms"], rep=config["rep_ms"], grad_to_none=grads or None,
+                              return_mode="median"))
+
+    impls = implementations("cuda")
+    cases = []
+    for vocab in config["vocabs"]:
+        cases.append(case(config["tokens"], vocab, torch.bfloat16, impls, ms))
+        torch.cuda.empty_cache()
+    return {
+        "schema_version": 1,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_properties(0).name,
+        "driver": _driver(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "command": "python -m benchmarks.cross_entropy" + (" --quick" if quick else ""),
+        "copy_gbps": _copy_gbps(config["copy_numel"], ms),
+        "rate": "3 passes over the logits (the fused kernels' bytes) / forward + backward time",
+        "cases": cases,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and write the record (CUDA only)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cross_entropy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/cross_entropy_<gpu>.json")
+    parser.add_argument("--quick", action="store_true", help="small shapes, short timing: a smoke run")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    record = measure(args.quick)
+    out = args.out or RESULTS / f"cross_entropy_{gpu_slug(record['gpu'])}{'-quick' if args.quick else ''}.json"
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
