@@ -7,6 +7,9 @@
   ``matmul_with_blocks`` runs it with given block sizes; ``matmul_naive`` reuses nothing.
 - ``grouped_program_id``, ``tiled_matmul_hbm_bytes``, ``matmul_rates``: the arithmetic behind
   them (program order, HBM traffic, achieved rates), as plain Python.
+- ``program_tiles``: the tile each program gets from a mapping written in Triton (a ``@triton.jit``
+  function like ``_grouped_tile``), read back by launching it; ``l2_traffic``: the HBM bytes that
+  a program order costs through a simulated L2 cache.
 
 Under Triton's CPU interpreter the matmul kernels accept fp32 only (the interpreter computes
 16-bit dots wrongly); copies and transposes move any dtype.
@@ -15,6 +18,9 @@ Under Triton's CPU interpreter the matmul kernels accept fp32 only (the interpre
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -31,6 +37,8 @@ __all__ = [
     "copy_columns",
     "transpose",
     "grouped_program_id",
+    "program_tiles",
+    "l2_traffic",
     "matmul_with_blocks",
     "matmul",
     "matmul_naive",
@@ -167,6 +175,97 @@ def _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     band_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
     within = pid % per_band
     return first_m + within % band_rows, within // band_rows
+
+
+@triton.jit
+def _program_tiles_kernel(
+    out_ptr, num_programs, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, MAPPING: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # BLOCK program ids at once through the mapping; out[2 * pid] = pid_m, out[2 * pid + 1] = pid_n.
+    # Ids past the end are clamped to the last program (their results are not stored).
+    ids = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pid_m, pid_n = MAPPING(tl.minimum(ids, num_programs - 1), num_pid_m, num_pid_n, GROUP_M)
+    tl.store(out_ptr + 2 * ids, pid_m, mask=ids < num_programs)
+    tl.store(out_ptr + 2 * ids + 1, pid_n, mask=ids < num_programs)
+
+
+@triton.jit
+def _program_tile_kernel(out_ptr, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, MAPPING: tl.constexpr):
+    # One program id per program, as a matmul kernel calls the mapping.
+    pid = tl.program_id(0)
+    pid_m, pid_n = MAPPING(pid, num_pid_m, num_pid_n, GROUP_M)
+    tl.store(out_ptr + 2 * pid, pid_m)
+    tl.store(out_ptr + 2 * pid + 1, pid_n)
+
+
+def program_tiles(mapping: Any, num_pid_m: int, num_pid_n: int, group_m: int) -> list[tuple[int, int]]:
+    """``[(pid_m, pid_n) of program 0, of program 1, ...]`` under ``mapping``, a ``@triton.jit`` function
+    ``(pid, num_pid_m, num_pid_n, GROUP_M) -> (pid_m, pid_n)`` such as ``_grouped_tile``.
+
+    The mapping runs inside a kernel, one program id per program as a matmul kernel calls it. On
+    grids of more than 256 programs it runs on blocks of ids at once, if that gives the same tiles
+    as one id at a time on a small ragged grid (a Python ``min`` or ``if`` does not, under the
+    interpreter); else one id at a time, slowly.
+    """
+
+    def one_at_a_time(rows: int, cols: int) -> torch.Tensor:
+        out = torch.full((2 * rows * cols,), -1, dtype=torch.int32, device=env.DEVICE)
+        _program_tile_kernel[(rows * cols,)](out, rows, cols, GROUP_M=group_m, MAPPING=mapping)
+        return out
+
+    def in_blocks(rows: int, cols: int) -> torch.Tensor:
+        out = torch.full((2 * rows * cols,), -1, dtype=torch.int32, device=env.DEVICE)
+        block = min(triton.next_power_of_2(rows * cols), 4096)
+        _program_tiles_kernel[(triton.cdiv(rows * cols, block),)](
+            out, rows * cols, rows, cols, GROUP_M=group_m, MAPPING=mapping, BLOCK=block)
+        return out
+
+    out = None
+    if num_pid_m * num_pid_n > 256:
+        try:
+            if torch.equal(in_blocks(7, 5), one_at_a_time(7, 5)):
+                out = in_blocks(num_pid_m, num_pid_n)
+        except Exception:  # noqa: BLE001,S110 - a mapping written for one id at a time only
+            pass
+    if out is None:
+        out = one_at_a_time(num_pid_m, num_pid_n)
+    return [(int(m), int(n)) for m, n in out.view(-1, 2).tolist()]
+
+
+def l2_traffic(
+    order: Sequence[tuple[int, int]],
+    k_steps: int,
+    a_tile_bytes: int,
+    b_tile_bytes: int,
+    l2_bytes: int,
+    wave: int,
+) -> int:
+    """HBM bytes that a tiled matmul's reads of A and B cost through a simulated L2 cache.
+
+    ``order[pid]`` is the output tile ``(pid_m, pid_n)`` of program ``pid``. Programs run in waves of
+    ``wave`` consecutive ids, and a wave walks K in step: at step ``s`` each of its programs reads
+    the tile ``A[pid_m, s]`` (``a_tile_bytes``) and ``B[s, pid_n]`` (``b_tile_bytes``). A tile found in
+    the cache costs nothing; any other comes from HBM and enters the cache, which then drops the
+    least recently used tiles beyond ``l2_bytes``. The write of C is not included.
+    """
+    if min(k_steps, a_tile_bytes, b_tile_bytes, wave) < 1 or l2_bytes < 0:
+        raise ValueError("k_steps, tile sizes and wave must be positive, l2_bytes not negative")
+    cache: OrderedDict[tuple[str, int, int], int] = OrderedDict()
+    held = hbm = 0
+    for start in range(0, len(order), wave):
+        programs = order[start:start + wave]
+        for step in range(k_steps):
+            for pid_m, pid_n in programs:
+                for key, size in ((("A", pid_m, step), a_tile_bytes), (("B", step, pid_n), b_tile_bytes)):
+                    if key in cache:
+                        cache.move_to_end(key)
+                        continue
+                    hbm += size
+                    cache[key] = size
+                    held += size
+                    while held > l2_bytes:
+                        held -= cache.popitem(last=False)[1]
+    return hbm
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
