@@ -1,7 +1,10 @@
-"""Chapter 10: the pure-PyTorch attention references and the FlashAttention Triton kernels.
+"""Chapter 10: the pure-PyTorch attention references, the FlashAttention Triton kernels, their probes and benchmark.
 
 CPU tier: the references against torch SDPA, the kernels under Triton's interpreter in fp32 on
-tiny shapes. GPU tier (marked gpu): compiled kernels in fp16/bf16/fp32 against SDPA.
+tiny shapes, the probes the chapter's tests use on the student's kernels (written? which course
+kernels called? which tiles computed and masked?), the GPU benchmark's plumbing with stand-ins.
+GPU tier (marked gpu): compiled kernels in fp16/bf16/fp32 against SDPA, autotuned and launched with
+the fixed configurations of the chapter's exercises.
 """
 
 import math
@@ -10,9 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from course_lib import env  # sets TRITON_INTERPRET=1 without a GPU; must precede triton
+
+# isort: split
+import triton
+import triton.language as tl
+
 from course_lib import attention as att
-from course_lib import env
 from course_lib.kernels import flash_attention as fa
+from course_lib.kernels.probes import course_kernels_called, is_written, tile_census
 
 
 def _qkv(shape, dtype=torch.float32, device="cpu", seed=0):
@@ -142,6 +151,111 @@ def test_flash_attention_interpreter_odd_shapes():
     torch.testing.assert_close(out.float(), att.naive_attention(q.float(), k.float(), v.float()), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+@pytest.mark.parametrize("causal", [False, True])
+def test_dkdv_and_dq_from_lse_and_delta(causal):
+    q, k, v = _qkv((1, 2, 40, 16))
+    dout = torch.randn_like(q)
+    _, *ref = _grads(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal), q, k, v, dout)
+    out, lse = fa.flash_attention_forward(q, k, v, causal)
+    delta = (dout * out).sum(-1)
+    dk, dv = fa.flash_attention_dkdv(q, k, v, dout, lse, delta, causal)
+    dq = fa.flash_attention_dq(q, k, v, dout, lse, delta, causal)
+    for got, want in zip((dq, dk, dv), ref):
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+    with pytest.raises(ValueError, match="delta must be float32 of shape"):
+        fa.flash_attention_dkdv(q, k, v, dout, lse, delta[..., None], causal)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        fa.flash_attention_dq(q, k, v, dout, lse.double(), delta, causal)
+
+
+def test_launch_config():
+    if env.INTERPRET:
+        assert fa.launch_config("forward", torch.bfloat16) == (fa.INTERPRETER_BLOCK, fa.INTERPRETER_BLOCK, 1, 1)
+    else:
+        assert fa.launch_config("forward", torch.bfloat16) == (128, 64, 8, 3)
+        assert fa.launch_config("dkdv", torch.float32) == (16, 32, 4, 1)
+
+
+# ---------------------------------------------------------------- probes of a student's kernel
+
+
+@triton.jit
+def _blank_kernel(X):
+    raise NotImplementedError()
+
+
+@triton.jit
+def _helper_calling_the_library(acc, m_i, l_i, q, k, v, qk_scale):
+    return fa.attention_step(acc, m_i, l_i, q, k, v, qk_scale, None)
+
+
+@triton.jit
+def _kernel_through_a_helper(X):
+    tl.store(X, _helper_calling_the_library(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)[0])
+
+
+def test_is_written_and_course_kernels_called():
+    assert not is_written(_blank_kernel) and is_written(fa.attention_step)
+    assert course_kernels_called(_blank_kernel) == []
+    assert course_kernels_called(_kernel_through_a_helper) == ["course_lib.kernels.flash_attention.attention_step"]
+    assert course_kernels_called(fa.flash_forward_kernel) == ["course_lib.kernels.flash_attention._fwd_blocks"]
+    with pytest.raises(TypeError, match="not a @triton.jit function"):
+        is_written(len)
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="the census watches the interpreter")
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_census_sees_skipped_and_masked_tiles(causal):
+    q, k, v = _qkv((1, 1, 40, 32))
+    with tile_census(32, (16, 16)) as programs:
+        _, lse = fa.flash_attention_forward(q, k, v, causal)
+    forward = sorted((p.tiles, p.masked) for p in programs)
+    # three query blocks; causal: 1, 2, 3 tiles with the diagonal one masked; else 3 each, the ragged one masked
+    assert forward == ([(1, 1), (2, 1), (3, 1)] if causal else [(3, 1)] * 3)
+    with tile_census(32, (16, 16), dots_per_tile=2) as programs:
+        fa.flash_attention_dkdv(q, k, v, torch.randn_like(q), lse, torch.zeros_like(lse), causal)
+    backward = sorted((p.tiles, p.masked) for p in programs)
+    assert backward == ([(1, 1), (2, 1), (3, 1)] if causal else [(3, 0)] * 3)
+    assert [p.program for p in programs] == [(0, 0, 0), (1, 0, 0), (2, 0, 0)]
+
+
+@pytest.mark.skipif(env.INTERPRET, reason="compiled Triton")
+def test_tile_census_refuses_compiled_kernels():
+    with pytest.raises(RuntimeError, match="interpreter"), tile_census(64, (16, 16)):
+        pass
+
+
+# ---------------------------------------------------------------- the GPU table's benchmark, on stand-ins
+
+
+def test_attention_benchmark_sweep_records_rates_and_errors():
+    from benchmarks import attention as bench
+
+    def naive(q, k, v, causal):
+        return att.naive_attention(q, k, v, causal)
+
+    def broken(q, k, v, causal):
+        raise RuntimeError("no kernel\nhere")
+
+    impls = {"math": lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+             "naive": naive, "off by one": lambda q, k, v, causal: naive(q, k, v, causal) + 1, "broken": broken}
+    config = {"batch": 1, "heads": 2, "head_dim": 16, "seq_lens": [8, 16]}
+    result = bench.sweep(impls, config, lambda fn, grads: (fn(), 0.5)[1], device="cpu", dtype=torch.float32)
+    rows = {(r["implementation"], r["causal"], r["seq"]): r for r in result["rows"]}
+    assert len(rows) == 4 * 2 * 2 and result["implementations"] == list(impls) and result["dtype"] == "float32"
+    ok = rows[("naive", True, 16)]
+    flops = bench.attention_flops(1, 2, 16, 16, True)
+    assert ok["error"] is None and ok["forward_ms"] == 0.5
+    assert ok["forward_tflops"] == pytest.approx(flops / 0.5e-3 / 1e12)
+    assert ok["train_tflops"] == pytest.approx(3.5 * flops / 0.5e-3 / 1e12)
+    assert "differs from math's" in rows[("off by one", False, 8)]["error"]
+    assert rows[("broken", True, 8)]["error"] == "RuntimeError: no kernel here"
+
+
+# ---------------------------------------------------------------- errors
+
+
 def test_flash_attention_rejects_bad_shapes():
     q, k, v = _qkv((1, 1, 8, 24))
     with pytest.raises(ValueError, match="head_dim"):
@@ -181,3 +295,33 @@ def test_flash_attention_gpu_non_contiguous_inputs():
     q, k, v = (t.transpose(1, 2) for t in _qkv((2, 300, 4, 64), torch.bfloat16, "cuda"))
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     torch.testing.assert_close(fa.flash_attention(q, k, v, True).float(), ref, rtol=4e-2, atol=4e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_fixed_configurations_of_the_exercises_gpu(causal):
+    # The chapter's exercises launch flash_forward_kernel (with STEP, a @triton.jit function passed as a
+    # constexpr) and dkdv_kernel with launch_config's tiles, not autotuned: the same kernels must hold there.
+    b, h, n, d = 2, 4, 1000, 128
+    q, k, v = _qkv((b, h, n, d), torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    _, lse_ref = fa.flash_attention_forward(q, k, v, causal)
+    out, lse = torch.empty_like(q), torch.empty_like(lse_ref)
+    block_m, block_n, warps, stages = fa.launch_config("forward", q.dtype)
+    scale = 1 / math.sqrt(d)
+    fa.flash_forward_kernel[(triton.cdiv(n, block_m), b * h)](
+        q, k, v, out, lse, scale * fa.LOG2E, n, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        STEP=fa.attention_step, num_warps=warps, num_stages=stages)
+    ref = _grads(lambda a, c, e: F.scaled_dot_product_attention(a.float(), c.float(), e.float(), is_causal=causal),
+                 q, k, v, dout.float())
+    torch.testing.assert_close(out.float(), ref[0], rtol=4e-2, atol=4e-2)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-3, atol=1e-3)
+    delta = (dout.float() * out.float()).sum(-1)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    block_m, block_n, warps, stages = fa.launch_config("dkdv", q.dtype)
+    fa.dkdv_kernel[(triton.cdiv(n, block_n), b * h)](
+        q, k, v, dout, dk, dv, lse, delta, scale * fa.LOG2E, scale, n, HEAD_DIM=d, BLOCK_M=block_m,
+        BLOCK_N=block_n, CAUSAL=causal, num_warps=warps, num_stages=stages)
+    for got, want in ((dk, ref[2]), (dv, ref[3])):
+        torch.testing.assert_close(got.float(), want.float(), rtol=4e-2, atol=4e-2)
+        assert (got.float() - want.float()).norm() / want.float().norm() < 1e-2

@@ -4,7 +4,9 @@ Attention softmax(Q K^T * scale) V never materialises the N x N score matrix her
 kernel (Dao et al. 2022, FlashAttention; Dao 2023, FlashAttention-2) gives each program one
 block of query rows of one (batch, head) and streams K and V past it in blocks, keeping a
 running row maximum ``m_i``, a running row sum ``l_i`` and an fp32 accumulator that is rescaled
-whenever the maximum grows. It writes O and the per-row logsumexp, nothing else.
+whenever the maximum grows (``attention_step``). Its loop has two phases: the key blocks that
+need no mask (left of the diagonal when causal, every whole block otherwise), then the few that
+do (the diagonal, or the ragged last block). It writes O and the per-row logsumexp, nothing else.
 
 The backward recomputes P = exp(S - lse) from the saved logsumexp, as FlashAttention-2 does, but
 divides the work differently. FA2's own backward (Algorithm 2 of the paper, and its CUDA kernels)
@@ -13,18 +15,22 @@ dQ into memory with atomic additions. Here, as in the Triton tutorial "Fused Att
 and dQ have separate owners and no atomics are used, in three kernels:
 
 1. ``_bwd_preprocess``: delta_i = rowsum(dO_i * O_i), one number per query row;
-2. ``_bwd_dkdv``: one program per K/V block, looping over query blocks; it recomputes P and
+2. ``dkdv_kernel``: one program per K/V block, looping over query blocks; it recomputes P and
    accumulates dV = P^T dO and dK = dS^T Q;
-3. ``_bwd_dq``: one program per query block, looping over K/V blocks; it recomputes P again and
+3. ``dq_kernel``: one program per query block, looping over K/V blocks; it recomputes P again and
    accumulates dQ = dS K.
 
 With dS = P * (dP - delta) and dP = dO V^T. Each output block is owned by exactly one program,
 so every kernel writes plain stores, autotunes safely and is deterministic. The price is doing
 S = Q K^T and dP = dO V^T in both kernels: 7 matrix products of N x N x head_dim per head
-(4 in ``_bwd_dkdv``, 3 in ``_bwd_dq``), where an atomic-dQ backward does 5 and the forward 2.
+(4 in ``dkdv_kernel``, 3 in ``dq_kernel``), where an atomic-dQ backward does 5 and the forward 2.
 
 Exponentials use ``exp2``: log2(e) is folded into the softmax scale, so exp(x * scale) becomes
 exp2(x * scale * log2(e)), one multiply that the compiler fuses with the subtraction of the max.
+
+``attention_step``, ``flash_forward_kernel`` and ``dkdv_kernel`` are the references of the
+chapter's Triton exercises (same names, same signatures); every kernel works on contiguous
+(batch * heads, N, head_dim) tensors.
 
     from course_lib.kernels.flash_attention import flash_attention, flash_attention_forward
     out = flash_attention(q, k, v, causal=True)          # (batch, heads, seq, head_dim), autograd-aware
@@ -51,7 +57,15 @@ __all__ = [
     "LOG2E",
     "HEAD_DIMS",
     "INTERPRETER_BLOCK",
+    "attention_step",
+    "flash_forward_kernel",
+    "dkdv_kernel",
+    "dq_kernel",
+    "compute_dtype",
+    "launch_config",
     "flash_attention_forward",
+    "flash_attention_dkdv",
+    "flash_attention_dq",
     "flash_attention_backward",
     "FlashAttention",
     "flash_attention",
@@ -73,91 +87,79 @@ _LOG2E = tl.constexpr(LOG2E)  # the same constant, readable inside kernels
 
 
 @triton.jit
-def _fwd_inner(
-    acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n, N, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-):
-    """Fold the K/V blocks [lo, hi) into (acc, m_i, l_i); MASKED blocks also apply the causal and bounds masks."""
-    k_ptrs += lo * stride_kn
-    v_ptrs += lo * stride_vn
+def attention_step(acc, m_i, l_i, q, k, v, qk_scale, keep):
+    """Fold one K/V block into a query block's running (acc, m_i, l_i), scores in log2 units; ``keep=None``: no mask."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N) scores, fp32
+    if keep is not None:  # decided when the kernel compiles: unmasked blocks carry no masking code
+        s = tl.where(keep, s, _MASKED)
+    # Online softmax: new max, rescale what was accumulated under the old one.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_blocks(acc, m_i, l_i, q, K, V, lo, hi, offs_m, N, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                STEP: tl.constexpr):
+    """Fold the key blocks [lo, hi) of this head's K, V into the state; MASKED blocks apply the bounds and causal masks."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k = tl.load(k_ptrs, mask=cols[:, None] < N, other=0.0)
-        v = tl.load(v_ptrs, mask=cols[:, None] < N, other=0.0)
-        qk = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N) raw scores, fp32
+        kv = cols[:, None] * HEAD_DIM + offs_d[None, :]
         if MASKED:
+            k = tl.load(K + kv, mask=cols[:, None] < N, other=0.0)
+            v = tl.load(V + kv, mask=cols[:, None] < N, other=0.0)
             keep = cols[None, :] < N
             if CAUSAL:
                 keep = keep & (offs_m[:, None] >= cols[None, :])
-            qk = tl.where(keep, qk * qk_scale, _MASKED)
+            acc, m_i, l_i = STEP(acc, m_i, l_i, q, k, v, qk_scale, keep)
         else:
-            qk = qk * qk_scale
-        # Online softmax, in log2 units: new max, rescale what was accumulated under the old one.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+            k = tl.load(K + kv)  # every key of an unmasked block exists: no bounds mask either
+            v = tl.load(V + kv)
+            acc, m_i, l_i = STEP(acc, m_i, l_i, q, k, v, qk_scale, None)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _fwd_kernel(
-    Q, K, V, Out, LSE, qk_scale, H, N,
-    stride_qz, stride_qh, stride_qm, stride_qd,
-    stride_kz, stride_kh, stride_kn, stride_kd,
-    stride_vz, stride_vh, stride_vn, stride_vd,
-    stride_oz, stride_oh, stride_om, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-):
-    """One program: BLOCK_M query rows of one (batch, head); writes those rows of O and their logsumexp."""
-    off_hz = tl.program_id(1)
+def flash_forward_kernel(Q, K, V, Out, LSE, qk_scale, N,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         CAUSAL: tl.constexpr, STEP: tl.constexpr):
+    """One program: BLOCK_M query rows of one (batch, head); writes those rows of O and their logsumexp (natural log)."""
     if CAUSAL:
         # Later query blocks do more work under a causal mask: launch them first, so that the
         # short programs fill the gaps at the end instead of one long program running alone.
         start_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
         start_m = tl.program_id(0)
-    off_z = off_hz // H
-    off_h = off_hz % H
+    head = tl.program_id(1) * N * HEAD_DIM  # this (batch, head)'s (N, HEAD_DIM) slice of Q, K, V, Out
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-
-    q_ptrs = Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    k_ptrs = K + off_z * stride_kz + off_h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + off_z * stride_vz + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    q = tl.load(q_ptrs, mask=offs_m[:, None] < N, other=0.0)
-
+    rows = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(Q + head + rows, mask=offs_m[:, None] < N, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
         # Blocks left of the diagonal are fully visible (no mask); blocks right of it are skipped
         # entirely; only the BLOCK_M columns on the diagonal pay for the element-wise mask.
-        diag = start_m * BLOCK_M
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, 0, diag,
-                                   offs_m, offs_n, N, qk_scale, BLOCK_N, False, True)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, diag,
-                                   tl.minimum(diag + BLOCK_M, N), offs_m, offs_n, N, qk_scale, BLOCK_N, True, True)
+        lo = start_m * BLOCK_M
+        hi = tl.minimum(lo + BLOCK_M, N)
     else:
-        # All full blocks without a mask, then the ragged last block (if N % BLOCK_N != 0) with one.
-        full = (N // BLOCK_N) * BLOCK_N
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, 0, full,
-                                   offs_m, offs_n, N, qk_scale, BLOCK_N, False, False)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, full, N,
-                                   offs_m, offs_n, N, qk_scale, BLOCK_N, True, False)
-
-    acc = acc / l_i[:, None]
+        # Every whole block without a mask, then the ragged last one (if N % BLOCK_N != 0) with one.
+        lo = (N // BLOCK_N) * BLOCK_N
+        hi = N
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K + head, V + head, 0, lo, offs_m, N, qk_scale,
+                                HEAD_DIM, BLOCK_N, False, CAUSAL, STEP)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, K + head, V + head, lo, hi, offs_m, N, qk_scale,
+                                HEAD_DIM, BLOCK_N, True, CAUSAL, STEP)
     # logsumexp of the scaled scores in natural-log units: (m_i + log2 l_i) is in log2 units.
-    lse = (m_i + tl.math.log2(l_i)) / _LOG2E
-    tl.store(LSE + off_hz * N + offs_m, lse, mask=offs_m < N)
-    o_ptrs = Out + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=offs_m[:, None] < N)
+    tl.store(LSE + tl.program_id(1) * N + offs_m, (m_i + tl.math.log2(l_i)) / _LOG2E, mask=offs_m < N)
+    tl.store(Out + head + rows, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=offs_m[:, None] < N)
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,7 +205,7 @@ def _bwd_dkdv_inner(
 
 
 @triton.jit
-def _bwd_dkdv(
+def dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, qk_scale, sm_scale, N,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
 ):
@@ -256,7 +258,7 @@ def _bwd_dq_inner(
 
 
 @triton.jit
-def _bwd_dq(
+def dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, qk_scale, sm_scale, N,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
 ):
@@ -287,35 +289,46 @@ def _bwd_dq(
 # Launch configurations: autotuned on a GPU, one small fixed block under the interpreter
 # --------------------------------------------------------------------------------------------
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, for 16-bit inputs and for fp32 (whose
+# tiles take twice the shared memory and registers). The first 16-bit entry of each list is also
+# the fixed configuration of ``launch_config``, which the chapter's exercises launch with.
+_CONFIGS: dict[str, tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]] = {
+    # Hopper, head_dim 128: 128 x 64 tiles, 8 warps, 3 stages is the FA2 sweet spot for the forward;
+    # 128 x 128 can win on long sequences, 4 warps on small head dims.
+    "forward": ([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4)], [(64, 32, 4, 1)]),
+    # dK/dV keeps a BLOCK_N-row block of K, V, dK, dV resident and streams narrow query blocks past
+    # it (BLOCK_N % BLOCK_M == 0); dQ is the mirror image (BLOCK_M % BLOCK_N == 0).
+    "dkdv": ([(32, 128, 4, 5), (32, 128, 8, 3), (64, 128, 8, 3)], [(16, 32, 4, 1)]),
+    "dq": ([(128, 32, 4, 5), (128, 32, 8, 3), (128, 64, 8, 3)], [(32, 16, 4, 1)]),
+}
 
-def _autotune(kernel, half: list[tuple[int, int, int, int]], single: list[tuple[int, int, int, int]]):
-    """Autotune ``kernel`` over (BLOCK_M, BLOCK_N, num_warps, num_stages): ``half`` for fp16/bf16, ``single`` for fp32.
 
-    fp32 tiles take twice the shared memory and registers, so the fast 16-bit tiles do not fit;
-    a pruning hook keeps only the list that matches the dtype of Q before anything is compiled.
-    """
-    make = lambda shapes: [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-                           for m, n, w, s in shapes]
-    half_cfgs, single_cfgs = make(half), make(single)
+def launch_config(kernel: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) to launch ``kernel`` ("forward", "dkdv", "dq") without autotuning."""
+    if env.INTERPRET:
+        return INTERPRETER_BLOCK, INTERPRETER_BLOCK, 1, 1
+    half, single = _CONFIGS[kernel]
+    return (single if dtype == torch.float32 else half)[0]
+
+
+def _autotune(kernel, name: str):
+    """``kernel`` autotuned over ``_CONFIGS[name]``, keeping only the list that matches the dtype of Q."""
+    half, single = ([triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+                    for shapes in _CONFIGS[name])
 
     def by_dtype(configs, named_args, **kwargs):
-        return single_cfgs if named_args["Q"].element_size() == 4 else half_cfgs
+        return single if named_args["Q"].element_size() == 4 else half
 
-    return triton.autotune(half_cfgs + single_cfgs, key=["N", "HEAD_DIM", "CAUSAL"],
+    return triton.autotune(half + single, key=["N", "HEAD_DIM", "CAUSAL"],
                            prune_configs_by={"early_config_prune": by_dtype})(kernel)
 
 
 if env.INTERPRET:
-    _fwd, _dkdv, _dq = _fwd_kernel, _bwd_dkdv, _bwd_dq
+    _fwd, _dkdv, _dq = flash_forward_kernel, dkdv_kernel, dq_kernel
 else:
-    # Hopper, head_dim 128: 128 x 64 tiles, 8 warps, 3 stages is the FA2 sweet spot for the forward;
-    # 128 x 128 can win on long sequences, 4 warps on small head dims. Keyed on the shape, so each
-    # (N, head_dim, causal, dtype) tunes once per process.
-    _fwd = _autotune(_fwd_kernel, [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4)], [(64, 32, 4, 1)])
-    # dK/dV keeps a BLOCK_N-row block of K, V, dK, dV resident and streams narrow query blocks past
-    # it (BLOCK_N % BLOCK_M == 0); dQ is the mirror image (BLOCK_M % BLOCK_N == 0).
-    _dkdv = _autotune(_bwd_dkdv, [(32, 128, 4, 5), (32, 128, 8, 3), (64, 128, 8, 3)], [(16, 32, 4, 1)])
-    _dq = _autotune(_bwd_dq, [(128, 32, 4, 5), (128, 32, 8, 3), (128, 64, 8, 3)], [(32, 16, 4, 1)])
+    # Keyed on the shape, so each (N, head_dim, causal, dtype) tunes once per process.
+    _fwd, _dkdv, _dq = (_autotune(k, name) for k, name in
+                        ((flash_forward_kernel, "forward"), (dkdv_kernel, "dkdv"), (dq_kernel, "dq")))
 
 
 def _blocks() -> dict[str, int]:
@@ -337,8 +350,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v must share a dtype among fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.Tensor:
-    # The interpreter computes bf16/fp16 wrongly (see the course's Triton rules): upcast there.
+def _check_rows(q: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> None:
+    """lse and delta: one fp32 number per query row, (batch, heads, seq)."""
+    for name, t in (("lse", lse), ("delta", delta)):
+        if t.shape != q.shape[:-1] or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 of shape {tuple(q.shape[:-1])} (batch, heads, seq), "
+                             f"got {t.dtype} of shape {tuple(t.shape)}")
+
+
+def compute_dtype(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels compute it: in fp32 under the interpreter (which computes bf16/fp16 wrongly), as is on a GPU."""
     return t.float() if env.INTERPRET else t
 
 
@@ -354,38 +375,68 @@ def flash_attention_forward(
     _check(q, k, v)
     b, h, n, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    qc, kc, vc = (_compute_dtype(t) for t in (q, k, v))
+    qc, kc, vc = (compute_dtype(t).contiguous() for t in (q, k, v))
     out = torch.empty_like(qc)
     lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     _fwd[_grid("BLOCK_M", n, b * h)](
-        qc, kc, vc, out, lse, scale * LOG2E, h, n,
-        *qc.stride(), *kc.stride(), *vc.stride(), *out.stride(),
-        HEAD_DIM=d, CAUSAL=bool(causal), **_blocks(),
+        qc, kc, vc, out, lse, scale * LOG2E, n, HEAD_DIM=d, CAUSAL=bool(causal), STEP=attention_step, **_blocks(),
     )
     return out.to(q.dtype), lse
+
+
+def _backward_inputs(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    # The backward kernels index (B*H, N, D) directly; a loss such as out.sum() hands in a stride-0 dO.
+    return [compute_dtype(t).contiguous() for t in tensors]
+
+
+def flash_attention_dkdv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+    causal: bool = False, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dK, dV) in the dtypes of k and v, from the logsumexp and delta = rowsum(dO * O) (both fp32, (batch, heads, seq))."""
+    _check(q, k, v)
+    _check_rows(q, lse, delta)
+    b, h, n, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qc, kc, vc, doc = _backward_inputs(q, k, v, dout)
+    dk, dv = torch.empty_like(kc), torch.empty_like(vc)
+    _dkdv[_grid("BLOCK_N", n, b * h)](
+        qc, kc, vc, doc, dk, dv, lse.contiguous(), delta.contiguous(), scale * LOG2E, scale, n,
+        HEAD_DIM=d, CAUSAL=bool(causal), **_blocks(),
+    )
+    return dk.to(k.dtype), dv.to(v.dtype)
+
+
+def flash_attention_dq(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+    causal: bool = False, scale: float | None = None,
+) -> torch.Tensor:
+    """dQ in the dtype of q, from the logsumexp and delta = rowsum(dO * O) (both fp32, (batch, heads, seq))."""
+    _check(q, k, v)
+    _check_rows(q, lse, delta)
+    b, h, n, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qc, kc, vc, doc = _backward_inputs(q, k, v, dout)
+    dq = torch.empty_like(qc)
+    _dq[_grid("BLOCK_M", n, b * h)](
+        qc, kc, vc, doc, dq, lse.contiguous(), delta.contiguous(), scale * LOG2E, scale, n,
+        HEAD_DIM=d, CAUSAL=bool(causal), **_blocks(),
+    )
+    return dq.to(q.dtype)
 
 
 def flash_attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     dout: torch.Tensor, causal: bool = False, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) of attention from the forward's output and logsumexp, recomputing P block by block."""
+    """(dQ, dK, dV) of attention in the inputs' dtypes, from the forward's output and logsumexp."""
     b, h, n, d = q.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    # The backward kernels index (B*H, N, D) directly; a loss such as out.sum() hands in a stride-0 dO.
-    q, k, v, out, dout = (_compute_dtype(t).contiguous() for t in (q, k, v, out, dout))
-    lse = lse.contiguous()
-    delta = torch.empty_like(lse)
+    oc, doc = _backward_inputs(out, dout)
+    delta = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     pre_block = INTERPRETER_BLOCK if env.INTERPRET else 128
-    _bwd_preprocess[(triton.cdiv(n, pre_block), b * h)](out, dout, delta, n, HEAD_DIM=d, BLOCK_M=pre_block)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _dkdv[_grid("BLOCK_N", n, b * h)](
-        q, k, v, dout, dk, dv, lse, delta, scale * LOG2E, scale, n, HEAD_DIM=d, CAUSAL=bool(causal), **_blocks()
-    )
-    _dq[_grid("BLOCK_M", n, b * h)](
-        q, k, v, dout, dq, lse, delta, scale * LOG2E, scale, n, HEAD_DIM=d, CAUSAL=bool(causal), **_blocks()
-    )
-    return dq, dk, dv
+    _bwd_preprocess[(triton.cdiv(n, pre_block), b * h)](oc, doc, delta, n, HEAD_DIM=d, BLOCK_M=pre_block)
+    dk, dv = flash_attention_dkdv(q, k, v, dout, lse, delta, causal, scale)
+    return flash_attention_dq(q, k, v, dout, lse, delta, causal, scale), dk, dv
 
 
 class FlashAttention(torch.autograd.Function):
@@ -406,7 +457,7 @@ class FlashAttention(torch.autograd.Function):
         """(dQ, dK, dV) in the inputs' dtypes, and no gradient for ``causal`` and ``scale``."""
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = flash_attention_backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq, dk, dv, None, None
 
 
 def flash_attention(
