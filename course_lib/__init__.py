@@ -11,14 +11,17 @@ Three kinds of module, three rules for changing them:
   00   00_orientation              ``orientation`` (GPU facts, roofline); ``models`` (the course's GPT)
   01   01_floating_point           ``floating_point``
   02   02_memory_math              ``memory_math``
-  03   03_profiling                ``profiling``
+  03   03_profiling                ``profiling``, ``flops`` (FLOP counts, MFU and HFU), ``graphs``
+                                  (a training step as a CUDA graph, and its CPU stand-in)
   04   04_activations_optimizers   ``activations``, ``optimizers``
-  05   05_data_pipelines           ``data_pipelines``
-  06   06_mixed_precision          ``mixed_precision``
+  05   05_data_pipelines           ``data_pipelines``, ``token_data`` (memory-mapped token streams)
+  06   06_mixed_precision          ``mixed_precision``, ``fp8`` (scaled fp8 casts and matmuls)
   07   07_accumulation_checkpoint  ``accumulation_checkpointing``
   08   08_fusion                   ``kernels.fusion``
-  09   09_tiling_coalescing        ``kernels.tiling_coalescing``
-  10   10_flash_attention          ``attention`` (in PyTorch), ``kernels.flash_attention`` (Triton)
+  09   09_tiling_coalescing        ``kernels.tiling_coalescing``, ``kernels.memory_trace`` (loads and
+                                  stores, traced), ``kernels.bank_conflicts`` (shared-memory banks)
+  10   10_flash_attention          ``attention`` (in PyTorch), ``kernels.flash_attention`` (Triton),
+                                  ``kernels.probes`` (what a kernel calls, which tiles it computes)
   11   11_collectives              ``collectives``
   12   12_data_parallel            ``data_parallel``
   13   13_tensor_parallel          ``tensor_parallel``
@@ -56,6 +59,9 @@ __all__ = [
     "env",
     "exercises",
     "floating_point",
+    "flops",
+    "fp8",
+    "graphs",
     "hybrid",
     "kernels",
     "memory_math",
@@ -68,6 +74,7 @@ __all__ = [
     "profiling",
     "support",
     "tensor_parallel",
+    "token_data",
 ]
 
 # Ask torch to count GPUs through NVML rather than the CUDA runtime: a CUDA-runtime query

@@ -1,8 +1,13 @@
 """Triton kernels of the course, one module per chapter (import ``course_lib.env`` first: each module does).
 
-- ``fusion`` (chapter 08): vector add, fused bias + GELU, row softmax (online for wide rows), fused Adam.
-- ``tiling_coalescing`` (chapter 09): coalesced and strided access, the tiled matmul.
+- ``fusion`` (chapter 08): vector add, fused bias + GELU, row softmax (online for wide rows), fused
+  cross-entropy over a large vocabulary (forward and backward), fused Adam.
+- ``tiling_coalescing`` (chapter 09): coalesced and strided access, the tiled matmul; with
+  ``memory_trace`` (every load and store of a kernel, under the interpreter) and ``bank_conflicts``
+  (shared-memory banks and a conflict-free tile layout).
 - ``flash_attention`` (chapter 10): FlashAttention forward and backward.
+- ``probes`` (chapter 10's tests and experiments): is a kernel written, which course kernels it calls, which
+  tiles it computes and masks under the interpreter.
 """
 
-__all__ = ["flash_attention", "fusion", "tiling_coalescing"]
+__all__ = ["flash_attention", "fusion", "probes", "tiling_coalescing"]

@@ -9,6 +9,8 @@
 - ``comm``: a recorder of the ``torch.distributed`` calls made inside a block (count, bytes, spans, forbid).
 - ``timing``: timing a call made by all ranks together (``time_in_ranks``).
 - ``records``: the committed records of GPU runs that notebooks render their GPU figures from.
+- ``launches``: the Triton launches of a block (compiled or interpreted; guarded, or skipped) and
+  the PyTorch operators it runs beside them (``watch_launches``, ``watch_torch``).
 """
 
-__all__ = ["comm", "dist", "fallback", "records", "sizes", "timeline", "timing", "torchrun"]
+__all__ = ["comm", "dist", "fallback", "launches", "records", "sizes", "timeline", "timing", "torchrun"]
