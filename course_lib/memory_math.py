@@ -10,6 +10,7 @@ measurements that check them (autograd's saved tensors, module outputs, optimize
     mm.training_memory(7e9, "mixed_adam").total / 1e9                  # 112.0 (GB)
     mm.zero_memory_per_gpu(7.5e9, stage=3, world_size=64).total / 1e9  # 1.875
     mm.measure_saved_activation_bytes(model, x)                        # what autograd keeps
+    mm.saved_bytes_by_module(block, x)                   # {"ln_1": ..., "attn": ...}: who keeps it
     with mm.SavedBytesTracker() as t: loss(model(x)).backward()        # t.peak: live saved bytes
 """
 
@@ -41,6 +42,7 @@ __all__ = [
     "SavedTensor",
     "saved_tensors",
     "measure_saved_activation_bytes",
+    "saved_bytes_by_module",
     "SavedBytesTracker",
     "forward_hook_activation_bytes",
     "measured_training_memory",
@@ -242,6 +244,47 @@ def measure_saved_activation_bytes(model: Callable[..., Any], *inputs: Any) -> i
     """Bytes of the distinct storages autograd saves in one forward pass of ``model``, parameters excluded."""
     distinct = {r.storage: r.storage_bytes for r in saved_tensors(model, *inputs) if not r.is_parameter}
     return sum(distinct.values())
+
+
+def saved_bytes_by_module(model: nn.Module, *inputs: Any) -> dict[str, int]:
+    """Saved activation bytes of one forward pass, by the innermost module running when each storage was first saved.
+
+    Keys are the names of ``model.named_modules()`` (``""`` for ``model`` itself, for what its own
+    forward computes outside its submodules); modules that saved nothing are left out. Storages
+    count once, at full size, parameters excluded, as in ``measure_saved_activation_bytes``: the
+    values add up to its result. Every hook is removed on return, also when the forward pass raises.
+    """
+    params = _parameter_keys(model)
+    running: list[str] = []  # names of the modules whose forward is under way, innermost last
+    charged: dict[tuple[str, int], tuple[str, int]] = {}  # storage -> (module, bytes)
+    keep: list[torch.Tensor] = []  # holds each storage alive, so that no address is reused meanwhile
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        keep.append(t)
+        key = storage_key(t)
+        if key not in charged and not is_parameter_storage(t, params):
+            charged[key] = (running[-1], t.untyped_storage().nbytes())
+        return t
+
+    def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
+        running.pop()  # a forward hook that returns something replaces the module's output: return None
+
+    handles = []
+    try:
+        for name, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(lambda _m, _a, name=name: running.append(name)))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(*inputs)
+        del out
+    finally:
+        for handle in handles:
+            handle.remove()
+    ledger: dict[str, int] = {}
+    for name, nbytes in charged.values():
+        ledger[name] = ledger.get(name, 0) + nbytes
+    keep.clear()
+    return ledger
 
 
 class _Held:

@@ -58,17 +58,45 @@ def adam_step(p, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_d
 ''',
     },
     "07_accumulation_checkpointing": {
-        # the lambda reads start and end when backward recomputes: every segment replays the last one
+        # run() reads `chunk` when backward recomputes, not when it was defined: every segment replays the last one
         "ex07_3_checkpointed_sequential_code": '''\
+class CheckpointSegment(torch.autograd.Function):
+    """CheckpointSegment.apply(run, x, *params): run(x), keeping only x and the random state."""
+
+    @staticmethod
+    def forward(ctx, run, x, *params):
+        ctx.run, ctx.params = run, params
+        ctx.cpu_state = torch.get_rng_state()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.set_rng_state(ctx.cpu_state)
+            x_again = x.detach().requires_grad_(ctx.needs_input_grad[1])
+            y = ctx.run(x_again)
+        needs = ctx.needs_input_grad[1:]
+        wanted = [t for t, need in zip((x_again, *ctx.params), needs) if need]
+        found = iter(torch.autograd.grad(y, wanted, grad_out, allow_unused=True))
+        return (None, *(next(found) if need else None for need in needs))
+
+
 def checkpointed_sequential(modules, segments, x):
-    """Apply `modules` in order to x, checkpointing each segment."""
+    """Apply `modules` in order to x, each segment through CheckpointSegment."""
     modules = list(modules)
-    def run(chunk, t):
-        for m in chunk:
-            t = m(t)
-        return t
     for start, end in ac.segment_bounds(len(modules), segments):
-        x = checkpoint(lambda t: run(modules[start:end], t), x, use_reentrant=False)
+        chunk = modules[start:end]
+
+        def run(t):
+            for m in chunk:
+                t = m(t)
+            return t
+
+        params = [p for m in chunk for p in m.parameters()]
+        x = CheckpointSegment.apply(run, x, *params)
     return x
 ''',
     },

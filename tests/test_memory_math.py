@@ -224,6 +224,51 @@ def test_parameters_are_excluded_whatever_callable_counts() -> None:
     assert mm.is_parameter_storage(w.detach(), {mm.storage_key(w)})
 
 
+def test_ledger_charges_the_innermost_running_module_once_and_adds_up_to_the_total() -> None:
+    torch.manual_seed(0)
+    mlp = MLP([8, 16, 2], nn.ReLU, seed=0)
+    x = torch.randn(5, 8)
+    assert mm.saved_bytes_by_module(mlp, x) == {"0": 5 * 8 * 4, "1": 5 * 16 * 4}  # '2' keeps the ReLU output again
+    block = Block(GPTConfig(seq_len=16, n_head=2, d_model=32)).to(torch.bfloat16)
+    xb = torch.randn(3, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    ledger = mm.saved_bytes_by_module(block, xb)
+    assert sum(ledger.values()) == mm.measure_saved_activation_bytes(block, xb)
+    sbh = 3 * 16 * 32
+    # Q, K, V are views of one qkv output (6 sbh bytes), kept by SDPA inside attn's own forward, with its output
+    assert ledger["attn.qkv"] == 2 * sbh and ledger["mlp.fc"] == 2 * sbh
+    assert 8 * sbh <= ledger["attn"] < 9 * sbh and "attn.proj" not in ledger
+    assert ledger["mlp"] == 8 * sbh and ledger["mlp.proj"] == 8 * sbh  # GELU's input; the second Linear's input
+
+
+def test_ledger_charges_functional_code_between_children_to_the_parent() -> None:
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x).exp().sum()
+
+    assert mm.saved_bytes_by_module(Outer(), torch.randn(3, 4)) == {"inner.0": 48, "inner.1": 48, "": 48}
+
+
+def test_ledger_removes_its_hooks_also_when_the_forward_pass_raises() -> None:
+    class Boom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin(x)
+            raise ValueError("boom")
+
+    model = Boom()
+    with pytest.raises(ValueError, match="boom"):
+        mm.saved_bytes_by_module(model, torch.randn(2, 4))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert mm.saved_bytes_by_module(model.lin, torch.randn(2, 4)) == {"": 32}
+
+
 def test_tracker_peak_is_the_saved_total_and_falls_back_to_zero() -> None:
     net = MLP([16, 32, 32, 4], nn.GELU, seed=0)
     x = torch.randn(6, 16, requires_grad=True)
