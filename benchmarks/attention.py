@@ -23,10 +23,7 @@ recorded with its error and the run goes on.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.provenance import run_facts
 from benchmarks.report import gpu_slug
 
 __all__ = ["FULL", "QUICK", "attention_flops", "implementations", "main", "measure", "sweep"]
@@ -148,32 +146,11 @@ def sweep(impls: dict[str, Attention], config: dict[str, Any], ms: Callable[[Cal
     }
 
 
-def _driver() -> str:
-    """The NVIDIA driver's version, as nvidia-smi reports it."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-        return out.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown"
-
-
 def measure(quick: bool = False) -> dict[str, Any]:
     """The record: the sweep, with the facts of the run (date, GPU, driver, versions)."""
-    import triton
-
     config = QUICK if quick else FULL
     return {
-        "schema_version": 1,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_properties(0).name,
-        "driver": _driver(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "command": "python -m benchmarks.attention" + (" --quick" if quick else ""),
+        **run_facts("python -m benchmarks.attention" + (" --quick" if quick else "")),
         "sections": {"sweep": sweep(implementations(), config, _do_bench(config["warmup_ms"], config["rep_ms"]))},
     }
 

@@ -24,10 +24,7 @@ recorded with its error and the run goes on.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.provenance import run_facts
 from benchmarks.report import gpu_slug
 
 __all__ = ["FULL", "QUICK", "case", "implementations", "main", "measure"]
@@ -136,19 +134,8 @@ def _copy_gbps(numel: int, ms: Timer) -> float:
     return 2 * numel * 4 / (ms(lambda: dst.copy_(src), []) * 1e-3) / 1e9
 
 
-def _driver() -> str:
-    """The NVIDIA driver's version, as nvidia-smi reports it."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-        return out.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown"
-
-
 def measure(quick: bool = False) -> dict[str, Any]:
     """The record: every shape, with the facts of the run (date, GPU, driver, versions)."""
-    import triton
     from triton.testing import do_bench
 
     config: dict[str, Any] = QUICK if quick else FULL
@@ -163,15 +150,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
         cases.append(case(config["tokens"], vocab, torch.bfloat16, impls, ms))
         torch.cuda.empty_cache()
     return {
-        "schema_version": 1,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_properties(0).name,
-        "driver": _driver(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "command": "python -m benchmarks.cross_entropy" + (" --quick" if quick else ""),
+        **run_facts("python -m benchmarks.cross_entropy" + (" --quick" if quick else "")),
         "copy_gbps": _copy_gbps(config["copy_numel"], ms),
         "rate": "3 passes over the logits (the fused kernels' bytes) / forward + backward time",
         "cases": cases,

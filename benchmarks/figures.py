@@ -20,11 +20,8 @@ never holds a GPU number that no run produced. Each section measures one chapter
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +30,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks.provenance import run_facts
 from course_lib.profiling import benchmark, compare_timers
 
 __all__ = ["copy_sweep", "main", "measure", "timers"]
@@ -125,37 +123,14 @@ def matmul_dtypes() -> dict[str, Any]:
     return {"n": n, "tflops": rates}
 
 
-def _driver() -> str:
-    """The NVIDIA driver's version, as nvidia-smi reports it."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-        return out.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown"
-
-
 def measure() -> dict[str, Any]:
     """Every section, with the facts of the run (date, GPU, driver, versions)."""
-    import triton
-
-    props = torch.cuda.get_device_properties(0)
     sweep = copy_sweep()
     sections = {"timers": timers(), "copy_sweep": sweep, "async_demo": async_demo(),
                 "sum_vs_copy": sum_vs_copy(sweep["flushed_bytes_per_s"][-1]), "adam": adam(),
                 "matmul_dtypes": matmul_dtypes()}
     return {
-        "schema_version": 1,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "gpu": props.name,
-        "l2_bytes": props.L2_cache_size,
-        "sms": props.multi_processor_count,
-        "driver": _driver(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "command": "python -m benchmarks.figures",
+        **run_facts("python -m benchmarks.figures"),
         "sections": sections,
     }
 

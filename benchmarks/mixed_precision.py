@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.provenance import driver_version
 from course_lib import fp8
 from course_lib import mixed_precision as mp
 from course_lib.models import GPT, GPTConfig, random_batch
@@ -144,11 +145,9 @@ def measure(device: torch.device | str = "cuda", quick: bool = False, compile_mo
         sections["fp8_matmul"] = fp8_matmul(device, quick)
     facts: dict[str, Any] = {"device": device.type}
     if device.type == "cuda":
-        from benchmarks.figures import _driver
-
         props = torch.cuda.get_device_properties(device)
         facts = {"gpu": props.name, "capability": list(torch.cuda.get_device_capability(device)),
-                 "driver": _driver(), "cuda": torch.version.cuda}
+                 "driver": driver_version(), "cuda": torch.version.cuda}
     return {"schema_version": 1, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), **facts,
             "torch": torch.__version__, "python": platform.python_version(), "quick": quick,
             "command": "python -m benchmarks.mixed_precision", "sections": sections}

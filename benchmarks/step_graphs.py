@@ -17,9 +17,7 @@ matmuls are.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.figures import _driver
+from benchmarks.provenance import run_facts
 from course_lib import flops, graphs, models
 from course_lib.profiling import benchmark
 
@@ -104,18 +102,8 @@ def measure_model(cfg: models.GPTConfig, batch: int, repeat: int = 50) -> dict[s
 
 def measure(repeat: int = 50) -> dict[str, Any]:
     """Every model of ``MODELS``, with the facts of the run (date, GPU, driver, versions)."""
-    import triton
-
     return {
-        "schema_version": 1,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "driver": _driver(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "command": "python -m benchmarks.step_graphs",
+        **run_facts("python -m benchmarks.step_graphs"),
         "sections": {"step_modes": {"unit": "ms per training step (median, p10, p90)",
                                     "models": {name: measure_model(cfg, batch, repeat)
                                                for name, (cfg, batch) in MODELS.items()}}},

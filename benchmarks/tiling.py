@@ -21,9 +21,7 @@ and the run goes on.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.figures import _driver
+from benchmarks.provenance import run_facts
 from course_lib.profiling import benchmark
 
 __all__ = ["CUDA_SOURCE", "main", "measure"]
@@ -192,21 +190,8 @@ def grouped_order(n: int = 8192) -> dict[str, Any]:
 
 def measure() -> dict[str, Any]:
     """Both sections, with the facts of the run (date, GPU, driver, versions)."""
-    import triton
-
-    props = torch.cuda.get_device_properties(0)
     return {
-        "schema_version": 1,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "gpu": props.name,
-        "sms": props.multi_processor_count,
-        "l2_bytes": props.L2_cache_size,
-        "driver": _driver(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "command": "python -m benchmarks.tiling",
+        **run_facts("python -m benchmarks.tiling"),
         "sections": {"bank_conflicts": bank_conflicts(), "grouped_order": grouped_order()},
     }
 
