@@ -1,11 +1,17 @@
 """The GPU benchmark suite: the course's Triton kernels against PyTorch's own, measured in one run.
 
 ``benchmarks.cases`` measures (CUDA only), ``benchmarks.report`` writes what was measured as
-JSON and markdown; ``python -m benchmarks --help`` says how to run it. Beside it:
-``benchmarks.figures`` (the GPU figures the chapters render), ``benchmarks.distributed`` (the
-NCCL benchmark, under torchrun), ``benchmarks.checks`` (the
+JSON and markdown; ``python -m benchmarks --help`` says how to run it. Beside it, the records the
+chapters render, one module each: ``benchmarks.figures`` (the GPU figures of chapters 00-04),
+``benchmarks.step_graphs`` (a training step eager, compiled and graph-replayed; 03),
+``benchmarks.mixed_precision`` (steps per precision and fp8 matmuls; 06),
+``benchmarks.cross_entropy`` (the fused cross-entropy; 08), ``benchmarks.tiling`` (bank conflicts
+and the grouped order; 09) and ``benchmarks.attention`` (FlashAttention beside FA2 and cuDNN; 10),
+all starting from ``benchmarks.provenance`` (date, GPU, driver, versions). Also:
+``benchmarks.distributed`` (the NCCL benchmark, under torchrun), ``benchmarks.checks`` (the
 distributed chapters' self-checks, under torchrun), ``benchmarks.notebooks`` (notebook run times)
 and ``benchmarks.grading`` (the grader's throughput, on any machine).
 """
 
-__all__ = ["cases", "checks", "distributed", "figures", "grading", "notebooks", "report"]
+__all__ = ["attention", "cases", "checks", "cross_entropy", "distributed", "figures", "grading", "mixed_precision",
+           "notebooks", "provenance", "report", "step_graphs", "tiling"]
