@@ -47,6 +47,35 @@ def test_record_collectives_sees_collectives_and_batched_point_to_point() -> Non
         assert r["forbidden"] == "dist.all_reduce is not allowed here: use send/recv"
 
 
+def _waits() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(8)
+    with record_collectives() as log:
+        early = dist.all_reduce(t, async_op=True)
+        torch.ones(1000).sum()  # work between the start and the wait
+        early.wait()
+        got = torch.empty(2)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2), (rank + 1) % world),
+                                        dist.P2POp(dist.irecv, got, (rank - 1) % world)])
+        works[0].wait()
+        works[1].is_completed()  # any other attribute is the handle's own
+        works[1].wait()
+        blocking = dist.all_reduce(t)
+        never = dist.all_reduce(t, async_op=True)
+        wide = torch.zeros(4, 2 * world)
+        dist.all_gather([wide[:, 2 * r:2 * r + 2] for r in range(world)], torch.ones(4, 2))  # outputs: strided views
+    never._work.wait()  # the handle itself: not seen by the log
+    return {"waited": [c.waited is not None for c in log.calls], "contiguous": [c.contiguous for c in log.calls],
+            "after_start": all(c.waited >= c.start for c in log.calls if c.waited is not None), "blocking": blocking}
+
+
+def test_the_log_knows_when_each_handle_was_first_waited_for() -> None:
+    for r in launch(_waits, 2):
+        assert r["waited"] == [True, True, True, False, False, False]
+        assert r["contiguous"] == [True] * 5 + [False]
+        assert r["after_start"] and r["blocking"] is None
+
+
 def _timed() -> list[float]:
     return time_in_ranks(dist.all_reduce, torch.ones(4), repeat=3, warmup=1)
 

@@ -11,6 +11,9 @@ other paths. The payload of a call is the bytes of this rank's tensor: the input
 a broadcast, this rank's contribution to an all-gather, the tensor sent or received by a
 point-to-point call. With ``timeline`` each call is also recorded as a span, from the call to its
 completion (the return of a synchronous call; for an asynchronous one, when its future completes).
+The work handle of an asynchronous call comes back wrapped, so that the log also knows when the
+code first called its ``wait()`` (``Call.waited``): an overlap check can then tell "started early
+and waited for late" from "started and waited for at once".
 ``forbid`` names operations that raise AssertionError instead of running (an exercise that must
 build a collective from send/recv).
 """
@@ -46,7 +49,10 @@ class Call:
     """One recorded call: the operation, this rank's payload bytes, the peer of a point-to-point call, its span.
 
     ``async_op``: the call returned at once with a work handle (``async_op=True``, ``isend``/``irecv``,
-    ``batch_isend_irecv``) instead of waiting for completion.
+    ``batch_isend_irecv``) instead of waiting for completion. ``waited``: when the code first called
+    ``wait()`` on that handle (None if it never did, or for a synchronous call). ``contiguous``: every
+    tensor handed to the call (inputs and output buffers) was contiguous, which NCCL needs and gloo
+    does not check for every operation.
     """
 
     op: str
@@ -55,6 +61,24 @@ class Call:
     start: float = 0.0
     end: float | None = None  # None until it completes
     async_op: bool = False
+    waited: float | None = None
+    contiguous: bool = True
+
+
+class _RecordedWork:
+    """A work handle that notes in its ``Call`` when ``wait()`` is first called; everything else is the handle's."""
+
+    def __init__(self, work: Any, call: Call) -> None:
+        self._work, self._call = work, call
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        """The handle's ``wait``, timed."""
+        if self._call.waited is None:
+            self._call.waited = Timeline.now()
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 @dataclass
@@ -88,6 +112,18 @@ def _payload(x: Any) -> int:
     return 0
 
 
+def _all_contiguous(*values: Any) -> bool:
+    """Every tensor in ``values`` (searched through lists, tuples and dict values) is contiguous."""
+    for v in values:
+        if isinstance(v, torch.Tensor) and not v.is_contiguous():
+            return False
+        if isinstance(v, (list, tuple)) and not _all_contiguous(*v):
+            return False
+        if isinstance(v, dict) and not _all_contiguous(*v.values()):
+            return False
+    return True
+
+
 def _tensor_arg(args: tuple, kwargs: dict[str, Any], at: int) -> Any:
     if len(args) > at:
         return args[at]
@@ -100,10 +136,11 @@ class _Recorder:
     def __init__(self, log: CommLog, timeline: Timeline | None, lane: str, forbid: Collection[str], reason: str) -> None:
         self.log, self.timeline, self.lane, self.forbid, self.reason = log, timeline, lane, set(forbid), reason
 
-    def _start(self, op: str, n_bytes: int, peer: int | None = None, async_op: bool = False) -> Call:
+    def _start(self, op: str, n_bytes: int, peer: int | None = None, async_op: bool = False,
+               contiguous: bool = True) -> Call:
         if op in self.forbid:
             raise AssertionError(f"dist.{op} is not allowed here" + (f": {self.reason}" if self.reason else ""))
-        call = Call(op, n_bytes, peer, Timeline.now(), async_op=async_op)
+        call = Call(op, n_bytes, peer, Timeline.now(), async_op=async_op, contiguous=contiguous)
         self.log.calls.append(call)
         return call
 
@@ -126,10 +163,11 @@ class _Recorder:
         @functools.wraps(fn)
         def recorded(*args: Any, **kwargs: Any) -> Any:
             async_op = bool(kwargs.get("async_op", False))
-            call = self._start(name, _payload(_tensor_arg(args, kwargs, COLLECTIVES[name])), async_op=async_op)
+            call = self._start(name, _payload(_tensor_arg(args, kwargs, COLLECTIVES[name])), async_op=async_op,
+                               contiguous=_all_contiguous(args, kwargs))
             result = fn(*args, **kwargs)
             self._finish(call, result if async_op else None)
-            return result
+            return _RecordedWork(result, call) if async_op and result is not None else result
         return recorded
 
     def point_to_point(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -137,16 +175,21 @@ class _Recorder:
         def recorded(*args: Any, **kwargs: Any) -> Any:
             if name == "batch_isend_irecv":
                 ops = list(args[0] if args else kwargs["p2p_op_list"])
-                calls = [self._start(op.op.__name__, _payload(op.tensor), op.peer, async_op=True) for op in ops]
+                calls = [self._start(op.op.__name__, _payload(op.tensor), op.peer, async_op=True,
+                                     contiguous=_all_contiguous(op.tensor)) for op in ops]
                 works = fn(ops)
                 for call, work in zip(calls, works or [None] * len(calls)):
                     self._finish(call, work)
-                return works
+                return works if not works else [_RecordedWork(w, c) for w, c in zip(works, calls)]
             tensor = args[0] if args else kwargs["tensor"]
             peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
-            call = self._start(name, _payload(tensor), peer, async_op=name in ("isend", "irecv"))
+            call = self._start(name, _payload(tensor), peer, async_op=name in ("isend", "irecv"),
+                               contiguous=_all_contiguous(tensor))
             result = fn(*args, **kwargs)
-            self._finish(call, result if name in ("isend", "irecv") else None)
+            if name in ("isend", "irecv"):
+                self._finish(call, result)
+                return None if result is None else _RecordedWork(result, call)
+            self._finish(call, None)
             return result
         return recorded
 
