@@ -4,6 +4,7 @@
 #   make test    set up .venv if needed, then run the whole CPU test suite (lint first)
 #   make lint    ruff and mypy only
 #   make test-repeat N=5 LOAD=2   the CPU suite N times in a row (LOAD busy processes beside it), a line per run
+#   make multi-node NNODES=2 NPROC=2   the distributed chapters' checks as a 2-node torchrun job on this host
 # Variables you may override, e.g. `make test TORCH_BUILD=cuda JOBS=4`:
 #   PYTHON       interpreter that creates the venv (3.11 or newer)
 #   TORCH_BUILD  auto | cpu | cuda. auto picks cuda when `nvidia-smi -L` finds a GPU, else cpu.
@@ -28,9 +29,9 @@ ifeq ($(TORCH_BUILD),auto)
   TORCH_BUILD := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 endif
 
-.PHONY: install sandbox-deps browser-deps lab lab-instructor lint test test-repeat test-browser test-gpu notebooks-run multi-gpu release bench bench-grading audit clean help
+.PHONY: install sandbox-deps browser-deps lab lab-instructor lint test test-repeat test-browser test-gpu notebooks-run multi-gpu multi-node release bench bench-grading audit clean help
 help:
-	@sed -n '2,13p' Makefile
+	@sed -n '2,14p' Makefile
 
 install: $(STAMP)
 
@@ -123,6 +124,13 @@ multi-gpu: $(STAMP)
 	  echo "== benchmarks.checks.$$m"; \
 	  $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m benchmarks.checks.$$m || exit 1; done
 	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m benchmarks.distributed --out $(or $(OUT),artifacts/multi-gpu)
+
+# Several nodes: each distributed chapter's self-check as NNODES torchrun agents ("nodes") of NPROC ranks on this
+# host, meeting at a c10d rendezvous on the loopback as a cluster's nodes do over the network (docs/multi-node.md).
+# With a CPU-only torch: gloo ranks and tiny sizes. `make test` runs it with 2 nodes x 1 rank (tests/test_torchrun.py).
+NNODES ?= 2
+multi-node: $(STAMP)
+	$(PY) -m benchmarks.checks --nnodes $(NNODES) --nproc-per-node $(NPROC) $(if $(filter cpu,$(TORCH_BUILD)),--small)
 
 release: $(STAMP)
 	$(PY) -m autograder release

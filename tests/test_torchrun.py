@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 
+from benchmarks.checks import CHAPTERS
 from course_lib.support import dist, torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # What ``torchrun --tee 3`` printed when rank 1 raised and rank 0 was then stopped (torch 2.13, abridged).
 FAILED_RUN = """\
@@ -79,3 +85,31 @@ def test_run_as_script_frees_reference_cycles_before_it_destroys_the_group(monke
     finally:
         gc.enable()
     assert seen["alive"] is False
+
+
+def test_torchrun_command_for_one_node_and_for_a_rendezvous_of_several() -> None:
+    assert torchrun.torchrun_command(4) == ["--standalone", "--nproc_per_node", "4"]
+    assert torchrun.torchrun_command(2, 2, "127.0.0.1:29500", "job") == [
+        "--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:29500",
+        "--rdzv_id", "job", "--local_addr", "127.0.0.1"]
+    with pytest.raises(ValueError, match="rendezvous endpoint"):
+        torchrun.torchrun_command(2, 2)
+
+
+def test_a_failed_two_node_run_names_the_rank() -> None:
+    with pytest.raises(RuntimeError, match=r"--nnodes 2 .*exit status [1-9].*\nrank \d failed first \(exit code 2\)"):
+        torchrun.run_entry("benchmarks.checks.hybrid", 1, "--no-such-option", nnodes=2)
+
+
+def test_two_nodes_keep_each_tensor_parallel_group_inside_a_node() -> None:
+    run = torchrun.run_entry("benchmarks.checks.hybrid", 2, "--small", nnodes=2)
+    assert run.result["world_size"] == 4 and run.checks == ["mesh_dp2xtp2", "dp2xtp2_vs_single_process"], run.stdout
+    assert run.result["layouts"]["dp2xtp2"]["tp_group_nodes"] == [[0, 0], [1, 1]]
+
+
+def test_every_distributed_chapter_passes_as_a_two_node_job() -> None:
+    """`make multi-node`: each chapter's self-check as 2 torchrun agents x 1 rank meeting at a c10d rendezvous."""
+    command = [sys.executable, "-m", "benchmarks.checks", "--nnodes", "2", "--nproc-per-node", "1", "--small"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == f"{len(CHAPTERS)} of {len(CHAPTERS)} chapters passed", done.stdout

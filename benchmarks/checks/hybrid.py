@@ -6,12 +6,15 @@ Layouts: dp1 x tp2 and dp2 x tp1 on 2 ranks, dp(N/2) x tp2 on an even N >= 4, dp
 odd N. Per layout two checks: each rank's dp and tp groups from ``hybrid.new_mesh_groups`` equal
 ``init_device_mesh``'s, and the shard each rank trained (parameters and gradients) equals the
 matching shard of the block trained in one process. The RESULT holds each layout's step time
-(slowest rank). ``--small``: the default ``HybridCase`` (width 32); otherwise width 512, 8 heads,
-256 tokens, 8 sequences per rank.
+(slowest rank) and which node each rank of each tensor-parallel group ran on (torchrun's
+``GROUP_RANK``: under ``--nnodes 2`` a dp x tp layout keeps every tp group inside one node, as a
+cluster must, since tensor parallelism talks in every layer). ``--small``: the default
+``HybridCase`` (width 32); otherwise width 512, 8 heads, 256 tokens, 8 sequences per rank.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -37,6 +40,8 @@ def check(small: bool) -> dict[str, Any]:
     world = dist.get_world_size()
     case = hybrid.HybridCase() if small else hybrid.HybridCase(d_model=512, n_head=8, seq_len=256,
                                                                global_batch=8 * world, steps=5)
+    nodes: list[Any] = [None] * world
+    dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", "0")))  # the node (agent) of every rank
     result: dict[str, Any] = {"world_size": world, "backend": dist.get_backend(), "layouts": {}}
     single = train_single_block(case, rank_device())
     names = ("dp", "tp")
@@ -52,7 +57,12 @@ def check(small: bool) -> dict[str, Any]:
                            reference_shard(single, mesh.coords["tp"], tp), rtol=1e-4, atol=1e-5)
         slowest = torch.tensor([out["step_s"]], dtype=torch.float64, device=rank_device())
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        result["layouts"][f"dp{dp}xtp{tp}"] = {"step_s": slowest.item(), "max_abs_err": err}
+        tp_groups: list[Any] = [None] * world
+        dist.all_gather_object(tp_groups, mesh.ranks["tp"])
+        result["layouts"][f"dp{dp}xtp{tp}"] = {
+            "step_s": slowest.item(), "max_abs_err": err,
+            "tp_group_nodes": sorted({tuple(nodes[r] for r in group) for group in tp_groups}),
+        }
     return result
 
 

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -44,6 +45,7 @@ __all__ = [
     "run_as_script",
     "run_entry",
     "set_nccl_env_defaults",
+    "torchrun_command",
 ]
 
 
@@ -161,31 +163,73 @@ class EntryRun:
     stdout: str
 
 
-def run_entry(module: str, nproc: int, *args: str, timeout: float = 600.0) -> EntryRun:
-    """Run ``torchrun --standalone --nproc_per_node nproc -m module *args`` from the project root; parse what it printed.
+def torchrun_command(nproc: int, nnodes: int = 1, rendezvous: str = "", run_id: str = "") -> list[str]:
+    """The ``torchrun`` options that start ``nproc`` ranks per node on ``nnodes`` nodes (one agent per node).
 
-    ``--standalone`` gives each run its own free port, so runs in parallel do not meet; ``--tee 3``
-    prefixes every line a rank prints with its rank. Raises RuntimeError when the run fails, times
-    out or prints no RESULT, saying which rank failed first, how, and its first error line
-    (``explain_failure``), then the end of the output.
+    One node: ``--standalone`` (a private rendezvous on a free port). Several: every node's agent
+    meets the others at the c10d rendezvous ``rendezvous`` (``host:port``, served by whichever agent
+    gets there first) under ``run_id``; the agents give out node ranks in the order they join.
     """
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "--tee", "3", "-m", module, *args]
+    if nnodes == 1:
+        return ["--standalone", "--nproc_per_node", str(nproc)]
+    if not rendezvous or not run_id:
+        raise ValueError("torchrun_command: several nodes need a rendezvous endpoint and a run id")
+    host = rendezvous.rsplit(":", 1)[0]
+    return ["--nnodes", str(nnodes), "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", rendezvous, "--rdzv_id", run_id, "--local_addr", host]
+
+
+def _free_port() -> int:
+    """A TCP port nothing listens on at the moment (the OS's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_entry(module: str, nproc: int, *args: str, nnodes: int = 1, timeout: float = 600.0) -> EntryRun:
+    """Run ``torchrun ... -m module *args`` from the project root with ``nproc`` ranks per node; parse what it printed.
+
+    One node: ``torchrun --standalone`` (its own free port, so runs in parallel do not meet).
+    ``nnodes`` > 1: that many torchrun agents on this host, each a "node", meeting at a c10d
+    rendezvous on the loopback, as the nodes of a cluster do over the network (``torchrun_command``).
+    ``--tee 3`` with a prefix template makes every line a rank prints start with ``[default<global rank>]:``.
+    Raises RuntimeError when any node fails, times out or no RESULT is printed, saying which rank
+    failed first, how, and its first error line (``explain_failure``), then the end of the output.
+    """
+    if nnodes < 1 or nproc < 1:
+        raise ValueError(f"run_entry: need at least one node and one rank per node, got nnodes={nnodes}, nproc={nproc}")
+    rendezvous, run_id = (f"127.0.0.1:{_free_port()}", f"{module}-{os.getpid()}-{_free_port()}") if nnodes > 1 else ("", "")
+    options = torchrun_command(nproc, nnodes, rendezvous, run_id)
+    command = [sys.executable, "-m", "torch.distributed.run", *options, "--tee", "3", "-m", module, *args]
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[default${rank}]:"  # the global rank, on every node
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
-    shown = f"torchrun --standalone --nproc_per_node {nproc} -m {module} {' '.join(args)}".rstrip()
-    try:
-        run = subprocess.run(command, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as stopped:
-        partial = _text(stopped.stdout) + _text(stopped.stderr)
-        raise RuntimeError(f"{shown}: still running after {timeout:g} s\n{explain_failure(partial)}") from None
-    lines = rank_lines(run.stdout).get(0, [])
+    shown = f"torchrun {' '.join(options)} -m {module} {' '.join(args)}".rstrip()
+    nodes = [subprocess.Popen(command, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(nnodes)]
+    outputs, codes, late = [], [], False
+    for node in nodes:
+        try:
+            out, err = node.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            late = True
+            for other in nodes:
+                other.kill()
+            out, err = node.communicate()
+        outputs.append((out, err))
+        codes.append(node.returncode)
+    stdout = "".join(out for out, _ in outputs)
+    output = "".join(out + err for out, err in outputs)
+    if late:
+        raise RuntimeError(f"{shown}: still running after {timeout:g} s\n{explain_failure(output)}")
+    lines = rank_lines(stdout).get(0, [])
     results = [line.removeprefix("RESULT ") for line in lines if line.startswith("RESULT ")]
-    if run.returncode != 0 or not results:
-        output = run.stdout + run.stderr
+    failed = [code for code in codes if code != 0]
+    if failed or not results:
         tail = "\n".join(output.splitlines()[-30:])
-        raise RuntimeError(f"{shown}: exit status {run.returncode}, {len(results)} RESULT line(s)\n"
+        status = failed[0] if failed else 0
+        raise RuntimeError(f"{shown}: exit status {status}, {len(results)} RESULT line(s)\n"
                            f"{explain_failure(output)}\nlast output:\n{tail}")
     checks = [line.removeprefix("CHECK ").split(" ok max_abs_err=")[0] for line in lines
               if line.startswith("CHECK ") and " ok max_abs_err=" in line]
@@ -197,10 +241,6 @@ _RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
 _ERROR_LINE = re.compile(r"^(?:[\w.]*(?:Error|Exception|Interrupt|Exit)\b|terminate called|Fatal Python error|"
                          r"Segmentation fault|Aborted)")
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
-
-
-def _text(output: str | bytes | None) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def rank_lines(output: str) -> dict[int, list[str]]:
