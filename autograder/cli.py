@@ -49,7 +49,8 @@ folder's name is not printable UTF-8, starts with a dot, or starts or ends with 
 rename it; no row in export.csv); timeout (stopped after --timeout seconds); error
 (autograde failed, e.g. the kernel died; the message has the last log line). A
 submission that is not ok scores 0 and gets no feedback file. The message of an ok row
-names the first failing tests. Every submission gets exactly one row.
+names the first failing tests, and says so when its feedback page could not be made or
+kept (the score stands). Every submission gets exactly one row.
 
 sandbox: each kernel runs under bubblewrap (no network, no view of solutions/, of other
 submissions or of OUT; its working folder and /tmp are private in-memory folders of

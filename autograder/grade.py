@@ -512,11 +512,7 @@ class _Runner:
             return fail
         grade = Grade.from_result(result, sub.student_id, sub.chapter, self.max_scores[sub.chapter])
         if grade.status is Status.OK:
-            try:
-                self._keep_feedback(work, job)
-            except RefusedFile as exc:
-                fail.message = f"cannot keep the feedback page: {exc}"
-                return fail
+            grade.message = "; ".join(filter(None, [grade.message, self._keep_feedback(work, job)]))
         return grade
 
     def _run_worker(self, command: list[str], work: Path, log_file: Path) -> tuple[bool, int]:
@@ -538,13 +534,25 @@ class _Runner:
                 _kill_all(proc.pid, env[MARKER_VARIABLE])
             return timed_out, proc.wait()
 
-    def _keep_feedback(self, work: Path, job: _Job) -> None:
-        """Copy the feedback HTML to ``OUT/feedback/<student_id>/<chapter>.html`` (a regular file, size-checked)."""
+    def _keep_feedback(self, work: Path, job: _Job) -> str:
+        """Copy the feedback HTML to ``OUT/feedback/<student_id>/<chapter>.html`` (a regular file, size-checked).
+
+        Returns "" when it was kept; otherwise a note for the grade's message, and an older page
+        there is removed (it would show another run's results). The score stands either way.
+        """
         chapter = job.sub.chapter
         html = work / "feedback" / job.internal / chapter / f"{chapter}.html"
         target = self.out_dir / "feedback" / job.sub.student_id / f"{chapter}.html"
         target.parent.mkdir(parents=True, exist_ok=True)
-        copy_regular(html, target, MAX_FEEDBACK_BYTES)
+        try:
+            copy_regular(html, target, MAX_FEEDBACK_BYTES)
+        except FileNotFoundError:
+            target.unlink(missing_ok=True)
+            return ""  # the worker made none and its note says why
+        except RefusedFile as exc:
+            target.unlink(missing_ok=True)
+            return f"no feedback page kept: {exc}"
+        return ""
 
 
 def _kill_all(pid: int, marker: str) -> None:

@@ -28,7 +28,7 @@ from .execute import TrustedExecute
 from .logs import failure_reason
 from .sandbox import KERNEL_NAME, KernelSandbox, kernel_environment
 
-__all__ = ["failed_tests", "grade_submission", "main", "trusted_config"]
+__all__ = ["failed_tests", "grade_submission", "main", "run_steps", "trusted_config"]
 
 
 def trusted_config(args: WorkerArgs) -> Config:
@@ -72,13 +72,9 @@ def grade_submission(args: WorkerArgs) -> WorkerResult:
         cell_timeout=args.cell_timeout,
     )
     config.merge(trusted_config(args))
-    api = NbGraderAPI(config=config)
-    for step, run in (("autograde", api.autograde), ("generate_feedback", api.generate_feedback)):
-        result = run(chapter, student)
-        if not result["success"]:
-            reason = failure_reason(result)
-            status = Status.TIMEOUT if "CellTimeoutError" in reason else Status.ERROR
-            return WorkerResult(status, f"{step} failed: {reason}")
+    failure, feedback_note = run_steps(NbGraderAPI(config=config), chapter, student)
+    if failure is not None:
+        return failure
     with Gradebook(config.CourseDirectory.db_url) as gb:
         submission = gb.find_submission(chapter, student)
         notebook = gb.find_submission_notebook(chapter, chapter, student)
@@ -86,7 +82,26 @@ def grade_submission(args: WorkerArgs) -> WorkerResult:
         manual = sorted(g.name for g in notebook.grades if g.needs_manual_grade)
         failed = failed_tests(scratch / "autograded" / student / chapter / f"{chapter}.ipynb")
         notes = [f"needs manual grading: {', '.join(manual)}"] * bool(manual) + [f"failed: {failed}"] * bool(failed)
+        notes += [feedback_note] * bool(feedback_note)
         return WorkerResult(Status.OK, "; ".join(notes), float(submission.score), float(submission.max_score), cells)
+
+
+def run_steps(api: NbGraderAPI, chapter: str, student: str) -> tuple[WorkerResult | None, str]:
+    """Autograde, then make the feedback page: (the failed result, or None once scores exist; a note if only feedback failed).
+
+    The scores are in the gradebook as soon as autograde succeeds: a feedback page that cannot be
+    made (a missing package on the grading host, a page the exporter chokes on) is noted beside
+    them, never allowed to turn a graded submission into an error worth 0.
+    """
+    result = api.autograde(chapter, student)
+    if not result["success"]:
+        reason = failure_reason(result)
+        status = Status.TIMEOUT if "CellTimeoutError" in reason else Status.ERROR
+        return WorkerResult(status, f"autograde failed: {reason}"), ""
+    result = api.generate_feedback(chapter, student)
+    if not result["success"]:
+        return None, f"no feedback page (generate_feedback failed: {failure_reason(result)})"
+    return None, ""
 
 
 def failed_tests(autograded: Path) -> str:

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import nbformat
 
-from autograder.contracts import Verdict
+from autograder.contracts import Status, Verdict
 from autograder.execute import HIDDEN_FAILURE, VISIBLE_FAILURE, _judge
 from autograder.maths import to_mathml
 from autograder.tester import _failed_in_hidden_part
+from autograder.worker import run_steps
 
 CELL = """\
 def _check(x):
@@ -168,3 +169,38 @@ def test_grades_csv_keeps_every_failure_message_whole(tmp_path: Path) -> None:
         (row,) = list(csv.DictReader(f))
     assert row["message"] == summary, "the message comes back whole: no cut, commas and newlines quoted"
     assert row["student_id"] == "'=student", "a cell that starts like a formula is still escaped"
+
+
+class _FakeAPI:
+    """nbgrader's API with canned answers: which steps ran, in order."""
+
+    def __init__(self, autograde_ok: bool, feedback_ok: bool) -> None:
+        self.ran: list[str] = []
+        self.answers = {"autograde": autograde_ok, "generate_feedback": feedback_ok}
+
+    def _step(self, name: str) -> dict:
+        self.ran.append(name)
+        ok = self.answers[name]
+        return {"success": ok, "log": "", "error": "" if ok else f"ModuleNotFoundError: no module for {name}"}
+
+    def autograde(self, chapter: str, student: str) -> dict:
+        return self._step("autograde")
+
+    def generate_feedback(self, chapter: str, student: str) -> dict:
+        return self._step("generate_feedback")
+
+
+def test_a_feedback_page_that_cannot_be_made_leaves_the_scores_standing() -> None:
+    api = _FakeAPI(autograde_ok=True, feedback_ok=False)
+    failure, note = run_steps(api, "01_floating_point", "s00001")  # type: ignore[arg-type]
+    assert failure is None and api.ran == ["autograde", "generate_feedback"]
+    assert note == "no feedback page (generate_feedback failed: ModuleNotFoundError: no module for generate_feedback)"
+    failure, note = run_steps(_FakeAPI(True, True), "01_floating_point", "s00001")  # type: ignore[arg-type]
+    assert failure is None and note == ""
+
+
+def test_a_failed_autograde_is_an_error_and_makes_no_feedback() -> None:
+    api = _FakeAPI(autograde_ok=False, feedback_ok=True)
+    failure, note = run_steps(api, "01_floating_point", "s00001")  # type: ignore[arg-type]
+    assert failure is not None and failure.status is Status.ERROR and api.ran == ["autograde"]
+    assert failure.message == "autograde failed: ModuleNotFoundError: no module for autograde" and note == ""
