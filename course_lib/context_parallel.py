@@ -7,13 +7,20 @@ into its own output with the logsumexp merge of FlashAttention (Liu et al., 2023
 - ``merge_partials``: combine any number of partial attentions over disjoint key sets by their
   logsumexps; rows that saw no key at all (lse = -inf) are handled without NaN.
 - ``ring_shift``: send tensors to the next rank and receive the previous rank's, asynchronously.
-- ``ring_attention_forward`` / ``ring_attention`` (autograd): the ring, non-causal or causal,
-  with the contiguous layout or the load-balanced zigzag layout (rank i holds chunks i and 2P-1-i);
-  the backward pass goes round the ring too, dK/dV travelling with their K/V block.
+- ``block_attention`` / ``block_attention_backward``: one K/V block, forward (with its lse) and
+  backward (from the final output and lse); chapter 10's Triton kernels on a GPU, its tiled
+  PyTorch attention elsewhere.
+- ``ring_attention_forward`` / ``ring_attention_backward`` / ``ring_attention`` (autograd): the
+  ring, non-causal or causal, with the contiguous layout or the load-balanced zigzag layout (rank
+  i holds chunks i and 2P-1-i); in the backward pass dK/dV travel with their K/V block and one
+  last shift brings them home.
 - ``allgather_attention_forward``: the alternative that all-gathers K and V first.
+- ``ulysses_attention`` (DeepSpeed-Ulysses): an all-to-all turns sequence shards of all heads into
+  the whole sequence of H/P heads, attention runs locally, an all-to-all turns it back.
 - ``zigzag_indices`` / ``zigzag_shard`` / ``zigzag_unshard``, ``ring_step_work`` and
   ``causal_work_per_rank``: layouts and the causal work they give each rank.
-- ``kv_comm_bytes`` / ``kv_buffer_bytes`` / ``score_matrix_bytes``: communication and memory.
+- ``kv_comm_bytes`` / ``kv_buffer_bytes`` / ``score_matrix_bytes`` / ``layer_comm_bytes`` /
+  ``layer_buffer_bytes``: communication and memory of the three schemes.
 
 The bytes that really travel are counted with ``course_lib.support.comm.record_collectives``; the
 torchrun self-check on N ranks is ``benchmarks.checks.context_parallel``.
@@ -28,34 +35,44 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from course_lib import env
 from course_lib.attention import tiled_attention, tiled_attention_backward
 from course_lib.support.timeline import Timeline
 
 __all__ = [
     "LAYOUTS",
+    "STRATEGIES",
     "RingAttention",
     "allgather_attention_forward",
     "block_attention",
+    "block_attention_backward",
     "causal_ring_attention_forward",
     "causal_work_per_rank",
     "chunk_pair_kind",
     "contiguous_indices",
+    "heads_to_sequence",
     "kv_buffer_bytes",
     "kv_comm_bytes",
+    "layer_buffer_bytes",
+    "layer_comm_bytes",
     "layout_indices",
     "merge_partials",
     "ring_attention",
+    "ring_attention_backward",
     "ring_attention_forward",
     "ring_shift",
     "ring_step_work",
     "score_matrix_bytes",
+    "sequence_to_heads",
     "shard_sequence",
+    "ulysses_attention",
     "zigzag_indices",
     "zigzag_shard",
     "zigzag_unshard",
 ]
 
 LAYOUTS = ("contiguous", "zigzag")
+STRATEGIES = ("ring", "allgather", "ulysses")
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
@@ -101,17 +118,58 @@ def merge_partials(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -
     return out.to(outs[0].dtype), lse
 
 
+def _triton_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether chapter 10's Triton kernels take this block: on a GPU, fp16/bf16, square blocks, a kernel head size.
+
+    fp32 and fp64 blocks stay with PyTorch: the kernels' fp32 dots run in TF32 on a GPU, further off
+    than fp32 checks accept.
+    """
+    if not (env.HAS_GPU and q.is_cuda) or q.dim() != 4 or q.shape != k.shape:
+        return False
+    from course_lib.kernels.flash_attention import HEAD_DIMS
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
+
+
 def block_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, lse) of ``q`` attending to one K/V block, in fp32 (fp64 for fp64): chapter 10's tiled attention as one tile.
+    """(output, lse) of ``q`` attending to one K/V block, in fp32 (fp64 for fp64).
 
-    ``causal`` masks key j > query i by position within the block: right for a block on the diagonal,
-    where queries and keys are the same positions.
+    On a GPU, for fp16/bf16, chapter 10's Triton kernel (``flash_attention_forward``, which returns
+    the lse) computes the block; otherwise chapter 10's tiled PyTorch attention as one tile.
+    ``causal`` masks key j > query i by position within the block: right for a block on the
+    diagonal, where queries and keys are the same positions.
     """
     dt = _acc(q)
+    if _triton_ok(q, k):
+        from course_lib.kernels.flash_attention import flash_attention_forward
+        out, lse = flash_attention_forward(q, k.to(q.dtype), v.to(q.dtype), causal=causal, scale=_scale(q, scale))
+        return out.to(dt), lse.to(dt)
     return tiled_attention(q.to(dt), k.to(dt), v.to(dt), causal=causal,
                            block_q=max(1, q.shape[-2]), block_k=max(1, k.shape[-2]), scale=_scale(q, scale))
+
+
+def block_attention_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+    causal: bool = False, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one K/V block's share of attention, in fp32 (fp64 for fp64).
+
+    ``out`` and ``lse`` are the queries' *final* output and logsumexp over all keys, so the block's
+    probabilities exp(S - lse) are the true ones; ``dq`` is this block's share of the queries'
+    gradient, ``dk``/``dv`` this query block's share of the block's. Triton on a GPU for fp16/bf16
+    (chapter 10's dK/dV and dQ kernels, which take lse and delta = rowsum(dO * O) as inputs),
+    PyTorch otherwise.
+    """
+    dt = _acc(q)
+    if _triton_ok(q, k):
+        from course_lib.kernels.flash_attention import flash_attention_dkdv, flash_attention_dq
+        delta = (dout.float() * out.float()).sum(-1)
+        args = (q, k.to(q.dtype), v.to(q.dtype), dout.to(q.dtype), lse.float().contiguous(), delta)
+        dk, dv = flash_attention_dkdv(*args, causal=causal, scale=_scale(q, scale))
+        return flash_attention_dq(*args, causal=causal, scale=_scale(q, scale)).to(dt), dk.to(dt), dv.to(dt)
+    return tiled_attention_backward(q.to(dt), k.to(dt), v.to(dt), out.to(dt), lse.to(dt), dout.to(dt), causal=causal,
+                                    block_k=max(1, k.shape[-2]), scale=_scale(q, scale))
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,38 +401,39 @@ def causal_ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return ring_attention_forward(q, k, v, causal=True, layout="zigzag", scale=scale)
 
 
-def _ring_backward(
+def ring_attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-    causal: bool, layout: str, scale: float | None,
+    causal: bool = False, layout: str | None = None, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of this rank's shards: K/V go round the ring again, each with its dK/dV accumulator.
+    """(dq, dk, dv) of this rank's shards from the forward's ``out``, ``lse`` and ``dout``: K/V go round again with dK/dV.
 
     At step s a rank holds block (r - s) mod P and that block's dK/dV so far; it adds its queries'
-    contribution and passes (K, V, dK, dV) on. After P steps the accumulators have visited every
-    rank, and one last shift brings each home.
+    contribution and passes the accumulators on, while K/V for the next step are already in
+    flight (posted before the compute, waited for after it). After P steps the accumulators have
+    visited every rank, and one last shift brings each home. ``layout`` defaults to the chapter's
+    choice: zigzag when causal, contiguous otherwise. Gradients in the inputs' dtypes.
     """
+    layout = layout or ("zigzag" if causal else "contiguous")
     rank, world = dist.get_rank(), dist.get_world_size()
     n_chunks = len(_chunks_of(layout, rank, world))
     sc = _scale(q, scale)
     dt = _acc(q)
-    qc, oc, dc = (_split_chunks(t.to(dt), n_chunks) for t in (q, out, dout))
+    qc, oc, dc = (_split_chunks(t, n_chunks) for t in (q, out, dout))
     lc = list(lse.to(dt).split(q.shape[-2] // n_chunks, dim=-1))
-    dq = [torch.zeros_like(c) for c in qc]
-    kv = [k.to(dt).contiguous(), v.to(dt).contiguous()]
-    dkv = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]
+    dq = [torch.zeros(c.shape, dtype=dt, device=q.device) for c in qc]
+    kv = [k.contiguous(), v.contiguous()]
+    dkv = [torch.zeros(k.shape, dtype=dt, device=k.device), torch.zeros(v.shape, dtype=dt, device=v.device)]
     for step in range(world):
-        last = step == world - 1
-        pending_kv = None if last else ring_shift(kv)  # K/V do not change: send them on while computing
+        pending_kv = ring_shift(kv) if step < world - 1 else None  # K/V do not change: send them on while computing
         kc, vc = _split_chunks(kv[0], n_chunks), _split_chunks(kv[1], n_chunks)
         dkc, dvc = _split_chunks(dkv[0], n_chunks), _split_chunks(dkv[1], n_chunks)
         for qi, ki, diagonal in _pairs(layout, rank, (rank - step) % world, world, causal):
-            gq, gk, gv = tiled_attention_backward(qc[qi], kc[ki], vc[ki], oc[qi], lc[qi], dc[qi], causal=diagonal,
-                                                  block_k=max(1, kc[ki].shape[-2]), scale=sc)
+            gq, gk, gv = block_attention_backward(qc[qi], kc[ki], vc[ki], oc[qi], lc[qi], dc[qi], causal=diagonal, scale=sc)
             dq[qi] += gq
             dkc[ki] += gk  # views into dkv: accumulate in place
             dvc[ki] += gv
-        dkv = ring_shift(dkv).wait()  # the accumulators only after this step's contribution
-        if pending_kv is not None:  # not the last step
+        dkv = ring_shift(dkv).wait()  # on to the next rank; after the last step this is the shift home
+        if pending_kv is not None:
             kv = pending_kv.wait()
     return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
@@ -393,7 +452,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, *ctx.options)
+        causal, layout, scale = ctx.options
+        dq, dk, dv = ring_attention_backward(q, k, v, out, lse, dout, causal, layout, scale)
         return dq, dk, dv, None, None, None
 
 
@@ -431,6 +491,59 @@ def allgather_attention_forward(
 
 
 # --------------------------------------------------------------------------------------------
+# DeepSpeed-Ulysses: trade the sequence split for a head split, with all-to-alls
+# --------------------------------------------------------------------------------------------
+
+
+def _check_heads(heads: int, world: int) -> None:
+    if heads % world:
+        raise ValueError(f"Ulysses splits the heads over the ranks: heads={heads} must be divisible by the "
+                         f"world size {world} (and so at least {world}); use the ring for more ranks than heads")
+
+
+def sequence_to_heads(x: torch.Tensor) -> torch.Tensor:
+    """All-to-all: this rank's sequence shard of every head (b, n/P, H, d) -> the whole sequence of its H/P heads (b, n, H/P, d).
+
+    Head group j goes to rank j; from rank i comes sequence shard i of this rank's heads, stacked in rank order.
+    """
+    world = dist.get_world_size()
+    b, m, h, d = x.shape
+    _check_heads(h, world)
+    # (P, b, n/P, H/P, d): the block for rank j first, as one contiguous buffer (a transpose, not a reshape).
+    send = x.reshape(b, m, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)  # (P, b, n/P, H/P, d): block i from rank i, sequence shard i
+    dist.all_to_all_single(received, send)
+    return received.permute(1, 0, 2, 3, 4).reshape(b, world * m, h // world, d)
+
+
+def heads_to_sequence(x: torch.Tensor) -> torch.Tensor:
+    """The inverse all-to-all: the whole sequence of H/P heads (b, n, H/P, d) -> this rank's shard of all heads (b, n/P, H, d)."""
+    world = dist.get_world_size()
+    b, n, hp, d = x.shape
+    if n % world:
+        raise ValueError(f"sequence length {n} must be divisible by the world size {world}")
+    # (P, b, n/P, H/P, d): sequence shard j goes to rank j.
+    send = x.reshape(b, world, n // world, hp, d).permute(1, 0, 2, 3, 4).contiguous()
+    received = torch.empty_like(send)  # block i: head group i of this rank's sequence shard
+    dist.all_to_all_single(received, send)
+    return received.permute(1, 2, 0, 3, 4).reshape(b, n // world, world * hp, d)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                      scale: float | None = None) -> torch.Tensor:
+    """This rank's (b, n/P, H, d) output of attention over the whole sequence, for contiguous sequence shards (b, n/P, H, d).
+
+    Three all-to-alls give each rank the whole sequence of H/P heads, attention runs there
+    (``block_attention``, the whole sequence as one block), and one all-to-all returns each rank
+    its own tokens. Needs H divisible by P (ValueError otherwise). Output in q's dtype.
+    """
+    _check_heads(q.shape[2], dist.get_world_size())
+    qh, kh, vh = (sequence_to_heads(t).transpose(1, 2) for t in (q, k, v))  # (b, H/P, n, d)
+    out, _ = block_attention(qh, kh, vh, causal=causal, scale=scale)
+    return heads_to_sequence(out.to(q.dtype).transpose(1, 2))
+
+
+# --------------------------------------------------------------------------------------------
 # Communication and memory per rank
 # --------------------------------------------------------------------------------------------
 
@@ -451,3 +564,42 @@ def kv_buffer_bytes(strategy: str, n: int, head_dim: int, world_size: int, batch
     if strategy == "allgather":
         return 2 * world_size * shard
     raise ValueError(f"strategy must be 'ring' or 'allgather', got {strategy!r}")
+
+
+
+def layer_comm_bytes(strategy: str, n: int, heads: int, head_dim: int, world_size: int, kv_heads: int | None = None,
+                     batch: int = 1, itemsize: int = 2) -> int:
+    """Bytes each rank receives from other ranks in one attention forward: "ring", "allgather" or "ulysses".
+
+    Ring and all-gather: every other rank's K and V shard, once. Ulysses: of each of its four
+    all-to-alls (Q, K, V in, the output back), the (P-1)/P of a shard that comes from other ranks.
+    ``kv_heads`` (grouped-query attention) defaults to ``heads``.
+    """
+    kv_heads = heads if kv_heads is None else kv_heads
+    shard_q = batch * (n // world_size) * heads * head_dim * itemsize
+    shard_kv = batch * (n // world_size) * kv_heads * head_dim * itemsize
+    if strategy in ("ring", "allgather"):
+        return 2 * (world_size - 1) * shard_kv
+    if strategy == "ulysses":
+        return (2 * shard_q + 2 * shard_kv) * (world_size - 1) // world_size
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+def layer_buffer_bytes(strategy: str, n: int, heads: int, head_dim: int, world_size: int, kv_heads: int | None = None,
+                       batch: int = 1, itemsize: int = 2) -> int:
+    """Bytes of Q, K, V and the output a rank holds during attention (the inputs of its all-to-alls aside).
+
+    Ring: its Q and output shards, the K/V block it computes on and the one arriving. All-gather:
+    its Q and output shards and the whole K and V. Ulysses: the whole sequence of H/P heads of Q,
+    K, V and the output: as many bytes as its shards.
+    """
+    kv_heads = heads if kv_heads is None else kv_heads
+    shard_q = batch * (n // world_size) * heads * head_dim * itemsize
+    shard_kv = batch * (n // world_size) * kv_heads * head_dim * itemsize
+    if strategy == "ring":
+        return 2 * shard_q + 4 * shard_kv
+    if strategy == "allgather":
+        return 2 * shard_q + 2 * world_size * shard_kv
+    if strategy == "ulysses":
+        return 2 * shard_q + 2 * shard_kv
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")

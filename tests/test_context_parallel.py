@@ -9,11 +9,11 @@ import torch.distributed as dist
 from course_lib import context_parallel as cp
 from course_lib.attention import attention_lse, naive_attention
 from course_lib.exercises.checks import assert_close
-from course_lib.exercises.context_parallel import random_qkv
+from course_lib.exercises.context_parallel import all_to_all_problem, observe, random_qkv, ring_problem
 from course_lib.exercises.ranks import warm_up_autograd
 from course_lib.support import torchrun
 from course_lib.support.comm import record_collectives
-from course_lib.support.dist import launch
+from course_lib.support.dist import launch, rank_device
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -80,6 +80,18 @@ def test_causal_work(p: int) -> None:
     assert [cp.chunk_pair_kind(2, b) for b in (1, 2, 3)] == ["full", "diagonal", "skip"]
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_attention_backward_equals_autograd(causal: bool) -> None:
+    q, k, v, dout = random_qkv(2, 2, 6, 4, torch.float64, seed=3, count=4)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = naive_attention(*leaves, causal=causal, scale=0.4)
+    out.backward(dout)
+    lse = attention_lse(q, k, causal=causal, scale=0.4)
+    grads = cp.block_attention_backward(q, k, v, out.detach(), lse, dout, causal=causal, scale=0.4)
+    for got, leaf in zip(grads, leaves):
+        assert_close(got, leaf.grad)
+
+
 def test_bytes_formulas() -> None:
     assert cp.score_matrix_bytes(2, 3, 5, 7, torch.float16) == 2 * 3 * 5 * 7 * 2
     assert cp.kv_comm_bytes("ring", 64, 8, 4, 2, 4) == cp.kv_comm_bytes("allgather", 64, 8, 4, 2, 4) == 2 * 3 * 2 * 16 * 8 * 4
@@ -87,6 +99,15 @@ def test_bytes_formulas() -> None:
     assert cp.kv_buffer_bytes("ring", 64, 8, 4) == 4 * 16 * 8 * 4
     with pytest.raises(ValueError):
         cp.kv_comm_bytes("tree", 64, 8, 4)
+    shard = 16 * 8 * 8 * 2  # N/P tokens of 8 heads of 8, bf16
+    assert cp.layer_comm_bytes("ring", 64, 8, 8, 4) == cp.layer_comm_bytes("allgather", 64, 8, 8, 4) == 2 * 3 * shard
+    assert cp.layer_comm_bytes("ulysses", 64, 8, 8, 4) == 4 * shard * 3 // 4
+    assert cp.layer_comm_bytes("ulysses", 64, 8, 8, 4, kv_heads=2) == (2 * shard + 2 * shard // 4) * 3 // 4
+    assert cp.layer_buffer_bytes("ring", 64, 8, 8, 4) == 6 * shard
+    assert cp.layer_buffer_bytes("allgather", 64, 8, 8, 4) == 2 * shard + 8 * shard
+    assert cp.layer_buffer_bytes("ulysses", 64, 8, 8, 4) == 4 * shard
+    with pytest.raises(ValueError):
+        cp.layer_buffer_bytes("tree", 64, 8, 8, 4)
 
 
 def _ring_case(q, k, v, dout, causal, layout):
@@ -138,11 +159,91 @@ def test_ring_attention_fp32_many_heads() -> None:
                  rtol=1e-5, atol=1e-5)
 
 
+def _ulysses_case(q, k, v, causal):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards = [t.tensor_split(world, dim=1)[rank] for t in (q, k, v)]
+    back = cp.heads_to_sequence(cp.sequence_to_heads(shards[0]))
+    out, traffic = observe(cp.ulysses_attention, *shards, causal=causal)
+    return out, back, traffic
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_matches_full_attention(world: int, causal: bool) -> None:
+    q, k, v = (t.transpose(1, 2).contiguous() for t in random_qkv(2, 6, 6 * world, 4, torch.float64, seed=world))
+    full = naive_attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=causal).transpose(1, 2)
+    shard = q.numel() // world * q.element_size()
+    for rank, (out, back, traffic) in enumerate(launch(_ulysses_case, world, q, k, v, causal, backend="gloo")):
+        assert_close(out, full.tensor_split(world, dim=1)[rank])
+        assert_close(back, q.tensor_split(world, dim=1)[rank])  # the two all-to-alls are inverses
+        assert all_to_all_problem(traffic, 4 * shard) is None
+        assert len(traffic.calls) == 4
+
+
+def _ulysses_error(q):
+    with pytest.raises(ValueError, match="divisible"):
+        cp.ulysses_attention(q, q, q)
+    return True
+
+
+def test_ulysses_needs_heads_divisible_by_ranks() -> None:
+    q = torch.randn(1, 4, 3, 4)
+    assert launch(_ulysses_error, 2, q, backend="gloo") == [True, True]
+
+
+def _ring_traffic(q, k, v, overlap):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards = [t.tensor_split(world, dim=-2)[rank] for t in (q, k, v)]
+    return observe(cp.ring_attention_forward, *shards, overlap=overlap)[1]
+
+
+def test_ring_problem_tells_overlap_from_waiting_at_once() -> None:
+    q, k, v = random_qkv(1, 2, 12, 4, seed=1)
+    kv_bytes = 2 * q.numel() // 3 * q.element_size()
+    for overlap in (True, False):
+        for traffic in launch(_ring_traffic, 3, q, k, v, overlap, backend="gloo"):
+            problem = ring_problem(traffic, 2 * kv_bytes, 2 * kv_bytes)
+            assert (problem is None) == overlap, problem
+            assert ring_problem(traffic, 3 * kv_bytes, 0) is not None  # the bytes are checked too
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_on_gpu_use_the_triton_kernels(causal: bool) -> None:
+    q, k, v, dout = (t.cuda().to(torch.bfloat16) for t in random_qkv(1, 2, 128, 64, seed=2, count=4))
+    assert cp._triton_ok(q, k) and not cp._triton_ok(q.float(), k.float())
+    out, lse = cp.block_attention(q, k, v, causal=causal)
+    cpu = [t.cpu().double() for t in (q, k, v, dout)]
+    want_out, want_lse = cp.block_attention(*cpu[:3], causal=causal)
+    assert_close(out.cpu(), want_out.float(), rtol=2e-2, atol=2e-2)
+    assert_close(lse.cpu(), want_lse.float(), rtol=1e-2, atol=1e-2)
+    grads = cp.block_attention_backward(q, k, v, out, lse, dout, causal=causal)
+    want = cp.block_attention_backward(*cpu[:3], want_out, want_lse, cpu[3], causal=causal)
+    for got, expected in zip(grads, want):
+        assert_close(got.cpu(), expected.float(), rtol=5e-2, atol=5e-2)
+
+
+def _ring_bf16(q, k, v):
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+    shards = [cp.zigzag_shard(t, rank, world).to(dev, torch.bfloat16) for t in (q, k, v)]
+    return cp.ring_attention_forward(*shards, causal=True, layout="zigzag")[0].float()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_ring_of_triton_blocks_on_two_gpus() -> None:
+    q, k, v = random_qkv(1, 4, 512, 64, seed=4)
+    out = cp.zigzag_unshard([o.cpu() for o in launch(_ring_bf16, 2, q, k, v)])
+    assert_close(out, naive_attention(q, k, v, causal=True), rtol=3e-2, atol=3e-2)
+
+
 def test_torchrun_entry() -> None:
     run = torchrun.run_entry("benchmarks.checks.context_parallel", 2, "--small")
-    assert len(run.checks) == 9, run.stdout
+    assert len(run.checks) == 10, run.stdout
     result = run.result
     assert result["world_size"] == 2
     assert result["ring_forward_bytes_received_per_rank"] == result["ring_forward_bytes_formula"]
+    assert result["ulysses_bytes_received_per_rank"] == result["ulysses_bytes_formula"]
     assert len(set(result["causal_zigzag_work_per_rank"])) == 1
     assert result["time_with_overlap_s"] > 0 and result["time_without_overlap_s"] > 0

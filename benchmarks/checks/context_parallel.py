@@ -1,9 +1,11 @@
-"""Chapter 15 under torchrun: ring attention, forward and backward, and the all-gather variant, against full attention.
+"""Chapter 15 under torchrun: ring attention (forward, backward), the all-gather variant and Ulysses, against full attention.
 
     torchrun --standalone --nproc_per_node N -m benchmarks.checks.context_parallel [--small]
 
 Three cases (non-causal; causal with the zigzag and with the contiguous layout), each checked on
-every rank's shard: the ring's output, the ring's dQ/dK/dV, the all-gather's output (9 checks).
+every rank's shard: the ring's output, the ring's dQ/dK/dV, the all-gather's output (9 checks);
+then Ulysses' causal output when the ranks divide the heads (1 check), and on GPUs the causal ring
+in bf16, whose blocks run in chapter 10's Triton kernels (1 check).
 The RESULT holds the causal compute time per rank for both layouts next to the causal work per
 rank, the bytes each rank received in the ring (recorded) and the formula, the same for the
 all-gather, the K/V each scheme holds, and the ring's time with and without overlap. ``--small``:
@@ -62,8 +64,25 @@ def check(small: bool) -> dict[str, Any]:
         gathered, _ = cp.allgather_attention_forward(sq.detach(), sk.detach(), sv.detach(), causal=causal, layout=layout)
         report_check(f"allgather_{name}_forward", gathered, shard(ref.detach()), **tol)
 
-    result: dict[str, Any] = {"world_size": world, "backend": dist.get_backend(), "seq_len": n, "batch": b,
-                              "heads": h, "head_dim": d, "dtype": str(dtype).removeprefix("torch.")}
+    result: dict[str, Any] = {}
+    if h % world == 0:
+        ref = naive_attention(q, k, v, causal=True)
+        seq_shard = functools.partial(cp.shard_sequence, rank=rank, world_size=world, layout="contiguous")
+        with record_collectives() as ulysses_log:
+            uq, uk, uv = (seq_shard(t).transpose(1, 2).contiguous() for t in (q, k, v))
+            out = cp.ulysses_attention(uq, uk, uv, causal=True)
+        report_check("ulysses_causal_forward", out.transpose(1, 2), seq_shard(ref), **tol)
+        result["ulysses_bytes_received_per_rank"] = ulysses_log.bytes() * (world - 1) // world
+        result["ulysses_bytes_formula"] = cp.layer_comm_bytes("ulysses", n, h, d, world, batch=b, itemsize=q.element_size())
+    if on_gpu and not small:
+        zz = functools.partial(cp.shard_sequence, rank=rank, world_size=world, layout="zigzag")
+        bq, bk, bv = (zz(t).to(torch.bfloat16) for t in (q, k, v))
+        out, _ = cp.ring_attention_forward(bq, bk, bv, causal=True, layout="zigzag")
+        report_check("ring_bf16_triton_blocks_forward", out.float(), zz(naive_attention(q, k, v, causal=True)),
+                     rtol=3e-2, atol=3e-2)
+
+    result.update({"world_size": world, "backend": dist.get_backend(), "seq_len": n, "batch": b,
+                   "heads": h, "head_dim": d, "dtype": str(dtype).removeprefix("torch.")})
     repeat = 3 if small else 10
     for layout in cp.LAYOUTS:
         qs, ks, vs = (cp.shard_sequence(t, rank, world, layout) for t in (q, k, v))

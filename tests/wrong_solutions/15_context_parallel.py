@@ -1,0 +1,187 @@
+"""Plausible wrong solutions of chapter 15's exercises (see harness.py).
+
+Most are the course's solution with one mistake a student makes, written as an edit of the solution
+cell (``_edited``: each edit must apply, so a change of the solution shows up here); the others are
+written out whole. Several give the right numbers and miss the mechanism: a transfer waited for at
+once (no overlap), a non-contiguous buffer handed to a collective, a ring that goes the wrong way
+(the same as the right way with 2 ranks).
+"""
+
+import json
+from pathlib import Path
+
+_NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "15_context_parallel" / "15_context_parallel.ipynb"
+_CELLS = {c["id"]: "".join(c["source"]) for c in json.loads(_NOTEBOOK.read_text(encoding="utf-8"))["cells"]}
+
+
+def _edited(cell_id: str, *edits: tuple[str, str]) -> str:
+    """The solution cell ``cell_id`` with each (old, new) replaced once."""
+    source = _CELLS[cell_id]
+    for old, new in edits:
+        if source.count(old) != 1:
+            raise ValueError(f"{cell_id}: the edit {old!r} does not match exactly once")
+        source = source.replace(old, new)
+    return source
+
+
+_FWD_WAIT = '''        o_b, l_b = cp.block_attention(q, k, v, scale=scale)
+        out, lse = (o_b, l_b) if out is None else cp.merge_partials([out, o_b], [lse, l_b])
+        if pending is not None:
+            for req in pending:
+                req.wait()
+            k, v = k_next, v_next
+'''
+_CAUSAL_POST = "        pending = cp.ring_shift(kv) if step < world - 1 else None\n"
+_CAUSAL_WAIT = "        if pending is not None:\n            kv = pending.wait()\n"
+_BWD_POST = "        pending = cp.ring_shift(kv) if step < world - 1 else None  # next step's K/V, while this one computes\n"
+_BWD_DKV = "        dkv = cp.ring_shift(dkv).wait()  # on to the next rank; after the last step: home\n"
+_BWD_WAIT = "        if pending is not None:\n            kv = pending.wait()\n"
+
+WRONG = {
+    "ex15_1_merge_lse": {
+        "no guard for rows that saw no key anywhere: -inf - (-inf) gives NaN": _edited(
+            "ex1-solution", ("    weights = torch.exp(stacked - safe)\n", "    weights = torch.exp(stacked - lse)\n")),
+        "weights normalised by their sum without the logsumexp (0/0 for rows with no key)": _edited(
+            "ex1-solution", ("    weights = torch.exp(stacked - safe)\n",
+                             "    weights = torch.exp(stacked) / torch.exp(stacked).sum(0)\n")),
+        "the lse kept in the outputs' dtype": _edited(
+            "ex1-solution", ("    dt = torch.float64 if outs[0].dtype == torch.float64 else torch.float32\n",
+                             "    dt = outs[0].dtype\n")),
+        "calls the reference": '''
+def merge_partials(outs, lses):
+    return cp.merge_partials(outs, lses)
+''',
+    },
+    "ex15_2_ring_forward": {
+        "the exchange posted, then waited for at once, then the compute (no overlap)": _edited(
+            "ex2-solution", (_FWD_WAIT, '''        if pending is not None:
+            for req in pending:
+                req.wait()
+        o_b, l_b = cp.block_attention(q, k, v, scale=scale)
+        out, lse = (o_b, l_b) if out is None else cp.merge_partials([out, o_b], [lse, l_b])
+        if pending is not None:
+            k, v = k_next, v_next
+''')),
+        "blocking send/recv, even ranks sending first (no overlap)": '''
+def ring_attention_forward(q, k, v, scale=None):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out, lse = None, None
+    k, v = k.contiguous(), v.contiguous()
+    for step in range(world):
+        o_b, l_b = cp.block_attention(q, k, v, scale=scale)
+        out, lse = (o_b, l_b) if out is None else cp.merge_partials([out, o_b], [lse, l_b])
+        if step < world - 1:
+            k_next, v_next = torch.empty_like(k), torch.empty_like(v)
+            if rank % 2 == 0:
+                dist.send(k, (rank + 1) % world); dist.send(v, (rank + 1) % world)
+                dist.recv(k_next, (rank - 1) % world); dist.recv(v_next, (rank - 1) % world)
+            else:
+                dist.recv(k_next, (rank - 1) % world); dist.recv(v_next, (rank - 1) % world)
+                dist.send(k, (rank + 1) % world); dist.send(v, (rank + 1) % world)
+            k, v = k_next, v_next
+    return out.to(q.dtype), lse
+''',
+        "two ring steps whatever the world size (right for 2 ranks only)": _edited(
+            "ex2-solution", ("    for step in range(world):\n", "    for step in range(2):\n"),
+            ("        if step < world - 1:", "        if step < 1:")),
+        "calls the reference": '''
+def ring_attention_forward(q, k, v, scale=None):
+    return cp.ring_attention_forward(q, k, v, scale=scale)
+''',
+    },
+    "ex15_3_zigzag": {
+        "no check that the rank is in range": _edited(
+            "ex3-solution", ("    if world_size < 1 or not 0 <= rank < world_size:\n", "    if world_size < 1:\n")),
+        "unshard written for 3-D tensors only": _edited(
+            "ex3-solution", ("        full[..., zigzag_indices(n, rank, world), :] = shard\n",
+                             "        full[:, zigzag_indices(n, rank, world), :] = shard\n")),
+        "calls the reference": '''
+def zigzag_indices(n, rank, world_size):
+    return cp.zigzag_indices(n, rank, world_size)
+
+
+def zigzag_unshard(shards):
+    return cp.zigzag_unshard(shards)
+''',
+    },
+    "ex15_5_causal_ring": {
+        "the exchange posted, then waited for at once (no overlap)": _edited(
+            "ex5-solution",
+            (_CAUSAL_POST, _CAUSAL_POST + "        arrived = pending.wait() if pending is not None else None\n"),
+            (_CAUSAL_WAIT, "        if arrived is not None:\n            kv = arrived\n")),
+        "the exchange after the compute (no overlap)": _edited(
+            "ex5-solution", (_CAUSAL_POST, ""),
+            (_CAUSAL_WAIT, "        if step < world - 1:\n            kv = cp.ring_shift(kv).wait()\n")),
+        "the block at step s taken from rank + s (right for 2 ranks only)": _edited(
+            "ex5-solution", ("        src = (rank - step) % world\n", "        src = (rank + step) % world\n")),
+        "calls the reference": '''
+def causal_ring_attention_forward(q, k, v, scale=None):
+    return cp.causal_ring_attention_forward(q, k, v, scale=scale)
+''',
+    },
+    "ex15_6_ring_backward": {
+        "the K/V exchange posted, then waited for at once (no overlap)": _edited(
+            "ex6-solution",
+            (_BWD_POST, _BWD_POST + "        arrived = pending.wait() if pending is not None else None\n"),
+            (_BWD_WAIT, "        if arrived is not None:\n            kv = arrived\n")),
+        "K, V, dK and dV sent together after the compute": _edited(
+            "ex6-solution", (_BWD_POST, ""),
+            (_BWD_DKV, "        kv_dkv = cp.ring_shift(kv + dkv).wait()\n        kv, dkv = kv_dkv[:2], kv_dkv[2:]\n"),
+            (_BWD_WAIT, "")),
+        "no homecoming shift: dK/dV stay where the last step left them": _edited(
+            "ex6-solution", (_BWD_DKV, "        if step < world - 1:\n            dkv = cp.ring_shift(dkv).wait()\n")),
+        "dK/dV accumulated on the rank that computed them, never sent": _edited(
+            "ex6-solution", (_BWD_DKV, "")),
+        "dK/dV sent to rank - 1, against K/V (right for 2 ranks only)": _edited(
+            "ex6-solution", (_BWD_DKV, '''        back = [torch.empty_like(t) for t in dkv]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, dkv[0], (rank - 1) % world),
+                                        dist.P2POp(dist.isend, dkv[1], (rank - 1) % world),
+                                        dist.P2POp(dist.irecv, back[0], (rank + 1) % world),
+                                        dist.P2POp(dist.irecv, back[1], (rank + 1) % world)])
+        for w in works:
+            w.wait()
+        dkv = back
+''')),
+        "the block at step s taken from rank + s (right for 2 ranks only)": _edited(
+            "ex6-solution", ("        src = (rank - step) % world\n", "        src = (rank + step) % world\n")),
+        "calls the reference": '''
+def ring_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None):
+    return cp.ring_attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
+''',
+    },
+    "ex15_7_ulysses": {
+        "a reshape instead of a transpose of heads and sequence (wrong pieces to each rank)": _edited(
+            "ex7-solution",
+            ("x.reshape(b, m, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()",
+             "x.reshape(world, b, m, h // world, d).contiguous()"),
+            ("x.reshape(b, world, m, h // world, d).permute(1, 0, 2, 3, 4).contiguous()",
+             "x.reshape(world, b, m, h // world, d).contiguous()")),
+        "all_to_all on chunks of the head dimension (non-contiguous views)": '''
+def ulysses_attention(q, k, v, causal=False, scale=None):
+    world = dist.get_world_size()
+    b, m, h, d = q.shape
+    if h % world:
+        raise ValueError(f"heads H={h} must be divisible by P={world}")
+
+    def sequence_to_heads(x):
+        received = [torch.empty(b, m, h // world, x.shape[-1], dtype=x.dtype, device=x.device) for _ in range(world)]
+        dist.all_to_all(received, list(x.chunk(world, dim=2)))
+        return torch.cat(received, dim=1)
+
+    def heads_to_sequence(x):
+        received = [torch.empty(b, m, h // world, x.shape[-1], dtype=x.dtype, device=x.device) for _ in range(world)]
+        dist.all_to_all(received, list(x.chunk(world, dim=1)))
+        return torch.cat(received, dim=2)
+
+    qh, kh, vh = (sequence_to_heads(t).transpose(1, 2) for t in (q, k, v))
+    out, _ = cp.block_attention(qh, kh, vh, causal=causal, scale=scale)
+    return heads_to_sequence(out.to(q.dtype).transpose(1, 2))
+''',
+        "no ValueError when P does not divide H": _edited(
+            "ex7-solution", ("    if h % world:\n        raise ValueError", "    if False:\n        raise ValueError")),
+        "calls the reference": '''
+def ulysses_attention(q, k, v, causal=False, scale=None):
+    return cp.ulysses_attention(q, k, v, causal=causal, scale=scale)
+''',
+    },
+}
