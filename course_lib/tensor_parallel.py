@@ -17,6 +17,12 @@ single-device module (``from_linear`` / ``from_module``), so a test can run both
 
     launch(rank_fn, 2, models.FeedForward(cfg), x)
 
+*Sequence parallelism* (Korthikanti et al., 2022) replaces f and g by an all-gather and a
+reduce-scatter along the sequence, so that the LayerNorms, dropouts and residual additions between
+two tensor-parallel regions run on 1/n of the sequence each (``sequence_parallel=True``,
+``ParallelSublayer``). At the model's end, ``VocabParallelCrossEntropy`` computes the loss from
+logits split by vocabulary with three all-reduces of one number per token.
+
 Construction needs no process group (rank and world size are arguments); ``forward`` does.
 Everything takes an optional ``group`` (default: the whole world) for use with device meshes.
 The torchrun self-check of every layer, forward and backward, on GPUs or gloo CPU ranks, is
@@ -38,20 +44,29 @@ __all__ = [
     "ColumnParallelLinear",
     "CopyToParallelRegion",
     "GatherFromParallelRegion",
+    "GatherFromSequenceParallelRegion",
     "ParallelAttention",
     "ParallelBlock",
     "ParallelMLP",
+    "ParallelSublayer",
     "ReduceFromParallelRegion",
+    "ReduceScatterToSequenceParallelRegion",
     "RowParallelLinear",
     "ScatterToParallelRegion",
+    "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "all_reduce_wire_bytes",
     "copy_to_parallel_region",
     "gather_from_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "parallel_sublayer_block",
     "reduce_from_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
     "regroup_qkv_for_sharding",
     "scatter_to_parallel_region",
+    "sequence_dropout",
     "shard_range",
+    "tp_activation_bytes_per_layer",
     "tp_comm_bytes_per_layer",
     "vocab_parallel_cross_entropy",
 ]
@@ -174,6 +189,72 @@ def scatter_to_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tens
 
 
 # --------------------------------------------------------------------------------------------
+# Sequence parallelism: the conjugate pair all-gather / reduce-scatter along the sequence
+# --------------------------------------------------------------------------------------------
+# Activations are (batch, sequence, features); a sequence shard is x[:, r*s/n:(r+1)*s/n]. Such a
+# slice of a (b, s, h) tensor is not contiguous when b > 1, and NCCL needs flat buffers: every
+# buffer handed to a collective below is made contiguous first.
+
+
+def _all_gather_sequence(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Concatenate every rank's (b, s/n, h) shard into the (b, s, h) tensor, in rank order."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """This rank's sequence shard of the sum of every rank's (b, s, h) ``x``."""
+    world = dist.get_world_size(group)
+    if x.shape[1] % world:
+        raise ValueError(f"sequence length {x.shape[1]} does not split evenly over {world} ranks")
+    parts = [p.contiguous() for p in x.chunk(world, dim=1)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Enter a tensor-parallel region from a sequence-parallel one: all-gather along the sequence forward,
+    reduce-scatter of the gradient backward (each rank used the whole sequence, so the gradient of
+    its shard is the sum over ranks of their gradients of that shard)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Leave a tensor-parallel region into a sequence-parallel one: reduce-scatter along the sequence forward
+    (sum the partial outputs, keep this rank's shard), all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_sequence(grad, ctx.group), None
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """All-gather (b, s/n, h) shards into (b, s, h) (backward: reduce-scatter)."""
+    return GatherFromSequenceParallelRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum (b, s, h) partial results over the ranks and keep this rank's sequence shard (backward: all-gather)."""
+    return ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+# --------------------------------------------------------------------------------------------
 # Parallel layers
 # --------------------------------------------------------------------------------------------
 
@@ -194,29 +275,35 @@ class ColumnParallelLinear(nn.Module):
 
     Forward: ``f(x)`` (no communication), then the local matmul, giving this rank's slice of the
     output features. With ``gather_output`` the slices are all-gathered into the full output.
+    With ``sequence_parallel`` the input is this rank's sequence shard, all-gathered instead of f.
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, *, gather_output: bool = False, group: Any = None
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, gather_output: bool = False, group: Any = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.weight = _param(weight)
         self.bias = _param(bias)
         self.gather_output = gather_output
         self.group = group
+        self.sequence_parallel = sequence_parallel
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, rank: int, world_size: int, gather_output: bool = False, group: Any = None
+        cls, linear: nn.Linear, rank: int, world_size: int, gather_output: bool = False, group: Any = None,
+        sequence_parallel: bool = False,
     ) -> ColumnParallelLinear:
         """Rank ``rank``'s shard of ``linear`` (output features split evenly over ``world_size``)."""
         rows = shard_range(linear.out_features, rank, world_size, "out_features")
         bias = None if linear.bias is None else linear.bias[rows]
-        return cls(linear.weight[rows], bias, gather_output=gather_output, group=group)
+        return cls(linear.weight[rows], bias, gather_output=gather_output, group=group,
+                   sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Local slice of ``x @ W.T + b`` (or the full output with ``gather_output``)."""
-        y = F.linear(copy_to_parallel_region(x, self.group), self.weight, self.bias)
+        enter = gather_from_sequence_parallel_region if self.sequence_parallel else copy_to_parallel_region
+        y = F.linear(enter(x, self.group), self.weight, self.bias)
         return gather_from_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -229,31 +316,41 @@ class RowParallelLinear(nn.Module):
     Forward: the local matmul gives a partial sum of the full output; ``g`` all-reduces the
     partial sums, and the bias (replicated, not split) is added once, after the reduction.
     With ``input_is_parallel=False`` the layer first takes this rank's slice of a full input.
+    With ``sequence_parallel`` the partial sums are reduce-scattered along the sequence instead of
+    all-reduced; the bias is then added to a sequence shard, so its gradient is a partial sum too,
+    and f (identity forward, all-reduce backward) applied to it makes every rank's gradient the whole.
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, *, input_is_parallel: bool = True, group: Any = None
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, input_is_parallel: bool = True, group: Any = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.weight = _param(weight)
         self.bias = _param(bias)
         self.input_is_parallel = input_is_parallel
         self.group = group
+        self.sequence_parallel = sequence_parallel
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, rank: int, world_size: int, input_is_parallel: bool = True, group: Any = None
+        cls, linear: nn.Linear, rank: int, world_size: int, input_is_parallel: bool = True, group: Any = None,
+        sequence_parallel: bool = False,
     ) -> RowParallelLinear:
         """Rank ``rank``'s shard of ``linear`` (input features split evenly over ``world_size``; bias replicated)."""
         cols = shard_range(linear.in_features, rank, world_size, "in_features")
-        return cls(linear.weight[:, cols], linear.bias, input_is_parallel=input_is_parallel, group=group)
+        return cls(linear.weight[:, cols], linear.bias, input_is_parallel=input_is_parallel, group=group,
+                   sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T + b`` from this rank's slice of the input features (or the full input)."""
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, self.group)
-        y = reduce_from_parallel_region(F.linear(x, self.weight), self.group)
-        return y if self.bias is None else y + self.bias
+        if not self.sequence_parallel:
+            y = reduce_from_parallel_region(F.linear(x, self.weight), self.group)
+            return y if self.bias is None else y + self.bias
+        y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + copy_to_parallel_region(self.bias, self.group)
 
     def extra_repr(self) -> str:
         return (
@@ -276,12 +373,18 @@ class ParallelMLP(nn.Module):
 
     @classmethod
     def from_module(
-        cls, ff: models.FeedForward, rank: int | None = None, world_size: int | None = None, group: Any = None
+        cls, ff: models.FeedForward, rank: int | None = None, world_size: int | None = None, group: Any = None,
+        sequence_parallel: bool = False,
     ) -> ParallelMLP:
-        """Rank ``rank``'s shard of a ``models.FeedForward`` (rank and world size default to the group's)."""
+        """Rank ``rank``'s shard of a ``models.FeedForward`` (rank and world size default to the group's).
+
+        With ``sequence_parallel`` it takes and returns this rank's sequence shard (all-gather in, reduce-scatter out).
+        """
         rank, world_size = _rank_world(rank, world_size, group)
-        fc = ColumnParallelLinear.from_linear(ff.fc, rank, world_size, gather_output=False, group=group)
-        proj = RowParallelLinear.from_linear(ff.proj, rank, world_size, input_is_parallel=True, group=group)
+        fc = ColumnParallelLinear.from_linear(ff.fc, rank, world_size, gather_output=False, group=group,
+                                              sequence_parallel=sequence_parallel)
+        proj = RowParallelLinear.from_linear(ff.proj, rank, world_size, input_is_parallel=True, group=group,
+                                             sequence_parallel=sequence_parallel)
         return cls(fc, proj, ff.dropout.p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -313,11 +416,18 @@ class ParallelAttention(nn.Module):
 
     Rank r holds heads r*H/n : (r+1)*H/n: their rows of the fused qkv weight (for q, k and v)
     and the matching columns of proj. Each rank attends with its own heads only; proj's g
-    sums the ranks' contributions. The forward pass is ``models.CausalSelfAttention``'s own,
-    which reads the number of heads from the width of qkv's output.
+    sums the ranks' contributions. The forward pass is ``models.CausalSelfAttention``'s, except that
+    the number of heads and the sequence length are read from qkv's output (with sequence
+    parallelism the input holds 1/n of the sequence and qkv's output all of it).
     """
 
-    forward = models.CausalSelfAttention.forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attention of this rank's heads; the output is replicated (or this rank's sequence shard)."""
+        qkv = self.qkv(x)
+        batch, time = qkv.shape[:2]
+        q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, -1)))
 
     def __init__(
         self, qkv: ColumnParallelLinear, proj: RowParallelLinear, head_dim: int, dropout: float = 0.0
@@ -336,15 +446,17 @@ class ParallelAttention(nn.Module):
         rank: int | None = None,
         world_size: int | None = None,
         group: Any = None,
+        sequence_parallel: bool = False,
     ) -> ParallelAttention:
         """Rank ``rank``'s heads of a ``models.CausalSelfAttention`` (the head count must divide evenly)."""
         rank, world_size = _rank_world(rank, world_size, group)
         n_head = attn.proj.in_features // attn.head_dim
         heads = shard_range(n_head, rank, world_size, "the number of heads")
         weight, bias = _head_shard_qkv(attn.qkv, heads, attn.head_dim)
-        qkv = ColumnParallelLinear(weight, bias, gather_output=False, group=group)
+        qkv = ColumnParallelLinear(weight, bias, gather_output=False, group=group, sequence_parallel=sequence_parallel)
         cols = slice(heads.start * attn.head_dim, heads.stop * attn.head_dim)
-        proj = RowParallelLinear(attn.proj.weight[:, cols], attn.proj.bias, input_is_parallel=True, group=group)
+        proj = RowParallelLinear(attn.proj.weight[:, cols], attn.proj.bias, input_is_parallel=True, group=group,
+                                 sequence_parallel=sequence_parallel)
         return cls(qkv, proj, attn.head_dim, attn.dropout)
 
 
@@ -378,6 +490,73 @@ def _copy_layernorm(ln: nn.LayerNorm) -> nn.LayerNorm:
                        device=ln.weight.device, dtype=ln.weight.dtype)
     new.load_state_dict(ln.state_dict())
     return new
+
+
+# --------------------------------------------------------------------------------------------
+# The sublayer around a parallel region: LayerNorm, dropout, residual, replicated or sequence-parallel
+# --------------------------------------------------------------------------------------------
+
+
+def sequence_dropout(x: torch.Tensor, p: float, seed: int, start: int = 0, total: int | None = None) -> torch.Tensor:
+    """Dropout of ``x`` (b, s, h) holding positions ``start:start + s`` of a sequence of ``total`` positions.
+
+    The mask is drawn for the whole (b, total, h) sequence from ``seed`` and sliced, so a position
+    is dropped or kept the same way whichever rank computes it: a sequence shard gets the slice of
+    the single-process mask, and replicated ranks all get the same mask. (Megatron forks the CUDA
+    generator instead, which is faster and not reproducible on one device.)
+    """
+    if p == 0.0:
+        return x
+    b, s, h = x.shape
+    total = start + s if total is None else total
+    gen = torch.Generator().manual_seed(seed)
+    keep = (torch.rand(b, total, h, generator=gen)[:, start:start + s] >= p).to(x.device)
+    return x * keep / (1.0 - p)
+
+
+class ParallelSublayer(nn.Module):
+    """``x + dropout(inner(ln(x)))`` around a tensor-parallel ``inner`` (a ParallelMLP or ParallelAttention).
+
+    Replicated (``sequence_parallel=False``): ``x`` is the full (b, s, h) activation on every rank,
+    and LayerNorm and dropout run on all of it, the same on every rank. Sequence-parallel: ``x`` is
+    this rank's shard (b, s/n, h), ``inner`` was built with ``sequence_parallel=True``; each rank
+    normalises and drops its own positions, and the LayerNorm's gradients, partial sums over the
+    sequence shards, are summed over the group by f applied to its weight and bias.
+    """
+
+    def __init__(self, ln: nn.LayerNorm, inner: nn.Module, p: float = 0.0, seed: int = 0,
+                 sequence_parallel: bool = False, group: Any = None) -> None:
+        super().__init__()
+        self.ln, self.inner = _copy_layernorm(ln), inner
+        self.p, self.seed, self.sequence_parallel, self.group = p, seed, sequence_parallel, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The sublayer on ``x`` (replicated, or this rank's sequence shard)."""
+        weight: torch.Tensor = self.ln.weight
+        bias: torch.Tensor | None = self.ln.bias
+        start, total = 0, x.shape[1]
+        if self.sequence_parallel:
+            weight = copy_to_parallel_region(weight, self.group)
+            bias = None if bias is None else copy_to_parallel_region(bias, self.group)
+            world = dist.get_world_size(self.group)
+            start, total = dist.get_rank(self.group) * x.shape[1], world * x.shape[1]
+        h = F.layer_norm(x, self.ln.normalized_shape, weight, bias, self.ln.eps)
+        return x + sequence_dropout(self.inner(h), self.p, self.seed, start, total)
+
+
+def parallel_sublayer_block(block: models.Block, rank: int | None = None, world_size: int | None = None, *,
+                            sequence_parallel: bool = False, p: float = 0.0, seed: int = 0,
+                            group: Any = None) -> nn.Sequential:
+    """A ``models.Block`` as two ``ParallelSublayer``s (attention, then MLP), dropout ``p`` after each.
+
+    The dropouts of the block's own modules are switched off: ``p`` takes their place.
+    """
+    rank, world_size = _rank_world(rank, world_size, group)
+    attn = ParallelAttention.from_module(block.attn, rank, world_size, group, sequence_parallel)
+    mlp = ParallelMLP.from_module(block.mlp, rank, world_size, group, sequence_parallel)
+    attn.dropout, attn.resid_dropout.p, mlp.dropout.p = 0.0, 0.0, 0.0
+    return nn.Sequential(ParallelSublayer(block.ln_1, attn, p, seed, sequence_parallel, group),
+                         ParallelSublayer(block.ln_2, mlp, p, seed + 1, sequence_parallel, group))
 
 
 # --------------------------------------------------------------------------------------------
@@ -415,30 +594,53 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_parallel_region(out, self.group)
 
 
-def vocab_parallel_cross_entropy(
-    local_logits: torch.Tensor, targets: torch.Tensor, group: Any = None, reduction: str = "mean"
-) -> torch.Tensor:
-    """Cross-entropy from logits split by vocabulary (this rank holds a contiguous slice of the last dimension).
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from logits split by vocabulary; this rank holds ids ``vocab_start`` onwards.
 
-    Three all-reduces of one number per token replace gathering the full logits: the maximum
-    (for a stable exponent), the sum of exponentials and the target's logit. ``targets`` hold
-    global token ids. ``reduction`` is "mean", "sum" or "none", as in ``F.cross_entropy``.
+    Forward: three all-reduces of one number per token (the maximum, for a stable exponent; the
+    sum of exponentials; the target's logit, which one rank holds and the others add as zero).
+    Backward: the gradient of the loss for logit j is softmax_j - [j == target], and each rank
+    has all it needs for its own columns (the softmax from the saved sum): no communication.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, local_logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                group: Any = None) -> torch.Tensor:
+        part = local_logits.shape[-1]
+        peak = local_logits.max(dim=-1).values.contiguous()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        shifted = local_logits - peak.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1).contiguous()
+        dist.all_reduce(sum_exp, group=group)
+        local_t = targets - vocab_start
+        mine = (local_t >= 0) & (local_t < part)
+        index = local_t.clamp(0, part - 1).unsqueeze(-1)
+        target_logit = (shifted.gather(-1, index).squeeze(-1) * mine).contiguous()
+        dist.all_reduce(target_logit, group=group)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), index, mine)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, index, mine = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
+        return grad_logits * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, vocab_start: int | None = None,
+                                 group: Any = None, reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy`` of logits split by vocabulary, through ``VocabParallelCrossEntropy``.
+
+    ``targets`` hold global token ids; ``vocab_start`` is this rank's first id (default: an even
+    split, rank * local width). ``reduction`` is "mean", "sum" or "none".
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    part = local_logits.shape[-1]
-    start = dist.get_rank(group) * part
-    # The maximum only keeps exp() in range; the loss does not depend on it, so no gradient flows.
-    with torch.no_grad():
-        peak = local_logits.max(dim=-1).values.contiguous()
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    shifted = local_logits - peak.unsqueeze(-1)
-    sum_exp = reduce_from_parallel_region(shifted.exp().sum(dim=-1), group)
-    local_t = targets - start
-    mine = (local_t >= 0) & (local_t < part)
-    picked = shifted.gather(-1, local_t.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = reduce_from_parallel_region(picked * mine.to(picked.dtype), group)
-    loss = sum_exp.log() - target_logit
+    if vocab_start is None:
+        vocab_start = dist.get_rank(group) * local_logits.shape[-1]
+    loss = VocabParallelCrossEntropy.apply(local_logits, targets, vocab_start, group)
     if reduction == "mean":
         return loss.mean()
     return loss.sum() if reduction == "sum" else loss
@@ -462,6 +664,22 @@ def tp_comm_bytes_per_layer(b: int, s: int, h: int, dtype: torch.dtype = torch.f
             raise ValueError(f"{name} must be non-negative, got {v}")
     per = 2 * b * s * h * torch.empty((), dtype=dtype).element_size()
     return {"forward": per, "backward": per}
+
+
+def tp_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, *, sequence_parallel: bool = False,
+                                  attention_scores: bool = True) -> float:
+    """Korthikanti et al. (2022)'s activation bytes per rank of one layer (16-bit values, 1-byte dropout masks).
+
+    Tensor parallelism: s b h (10 + 24/t + 5 a s / (h t)); the 10 s b h replicated on every rank are
+    the LayerNorm inputs (4), the inputs of qkv and fc (4) and the two dropout masks (2). With
+    sequence parallelism those are split too: s b h (34/t + 5 a s / (h t)). ``attention_scores=False``
+    drops the 5 a s^2 b term (attention that never stores the s x s scores, as SDPA's kernels).
+    """
+    if min(s, b, h, a) < 0 or t < 1:
+        raise ValueError(f"need non-negative sizes and t >= 1, got s={s}, b={b}, h={h}, a={a}, t={t}")
+    scores = 5 * a * s / (h * t) if attention_scores else 0.0
+    linear = 34 / t if sequence_parallel else 10 + 24 / t
+    return s * b * h * (linear + scores)
 
 
 def all_reduce_wire_bytes(payload_bytes: float, world_size: int) -> float:

@@ -140,6 +140,68 @@ def test_parallel_block_matches_single_device(world: int, bias: bool) -> None:
     assert ff % world == 0
 
 
+def _sequence_regions(x: torch.Tensor, g: torch.Tensor) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard = _chunk(x, rank, world, 1).clone().requires_grad_(True)
+    with record_collectives() as log:
+        full = tp.gather_from_sequence_parallel_region(shard)
+        full.backward(g[rank])
+    assert_close(full, x, name="all-gather forward")
+    assert_close(shard.grad, _chunk(sum(g), rank, world, 1), name="reduce-scatter backward")
+    partial = (x * (rank + 1)).requires_grad_(True)
+    with record_collectives() as log2:
+        out = tp.reduce_scatter_to_sequence_parallel_region(partial)
+        out.backward(_chunk(g[rank], rank, world, 1))
+    assert_close(out, _chunk(x * sum(range(1, world + 1)), rank, world, 1), name="reduce-scatter forward")
+    assert_close(partial.grad, torch.cat([_chunk(g[r], r, world, 1) for r in range(world)], dim=1), name="all-gather backward")
+    calls = log.calls + log2.calls
+    assert [c.op for c in calls] == ["all_gather", "reduce_scatter", "reduce_scatter", "all_gather"], calls
+    assert all(c.contiguous for c in calls), "a non-contiguous buffer was handed to a collective"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sequence_parallel_regions(world: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 2 * world, 3, dtype=torch.float64, generator=gen)
+    g = [torch.randn(2, 2 * world, 3, dtype=torch.float64, generator=gen) for _ in range(world)]
+    launch(_sequence_regions, world, x, g)
+
+
+def _sublayers(block: models.Block, x: torch.Tensor, p: float, sp: bool) -> tuple:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layer = tp.parallel_sublayer_block(block, rank, world, sequence_parallel=sp, p=p, seed=7)
+    xin = (_chunk(x, rank, world, 1) if sp else x).clone().requires_grad_(True)
+    with record_collectives() as log:
+        y = layer(xin)
+        y.backward(torch.ones_like(y))
+    grads = {n: q.grad for n, q in layer.named_parameters()}
+    assert all(c.contiguous for c in log.calls)
+    return y, xin.grad, grads, [c.op for c in log.calls]
+
+
+@pytest.mark.parametrize("world,sp", [(2, False), (2, True), (3, True)])
+def test_parallel_sublayer_block_matches_single_device(world: int, sp: bool) -> None:
+    cfg = models.GPTConfig(d_model=12, n_head=6, dropout=0.0)
+    block = models.GPT(cfg, seed=3).blocks[0].double()
+    x = torch.randn(2, 2 * world, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    p = 0.25
+    xr = x.clone().requires_grad_(True)
+    h = xr + tp.sequence_dropout(block.attn(block.ln_1(xr)), p, 7)
+    y_ref = h + tp.sequence_dropout(block.mlp(block.ln_2(h)), p, 8)
+    y_ref.backward(torch.ones_like(y_ref))
+    for rank, (y, gx, grads, ops) in enumerate(launch(_sublayers, world, block, x, p, sp)):
+        want_y, want_gx = y_ref.detach(), xr.grad
+        if sp:
+            want_y, want_gx = _chunk(want_y, rank, world, 1), _chunk(want_gx, rank, world, 1)
+        assert_close(y, want_y, name="output")
+        assert_close(gx, want_gx, name="input grad")
+        for i, ln in enumerate((block.ln_1, block.ln_2)):
+            assert_close(grads[f"{i}.ln.weight"], ln.weight.grad, name="LayerNorm weight grad")
+            assert_close(grads[f"{i}.ln.bias"], ln.bias.grad, name="LayerNorm bias grad")
+        assert_close(grads["1.inner.proj.bias"], block.mlp.proj.bias.grad, name="row-parallel bias grad")
+        assert ("all_reduce" in ops[:4]) != sp and ("reduce_scatter" in ops) == sp, ops
+
+
 def _vocab(emb: nn.Embedding, idx: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> tuple:
     rank, world = dist.get_rank(), dist.get_world_size()
     e = tp.VocabParallelEmbedding.from_embedding(emb, rank, world)
@@ -171,6 +233,28 @@ def test_vocab_parallel_embedding_and_cross_entropy(world: int) -> None:
             want = F.cross_entropy(logits.reshape(-1, 12), targets.reshape(-1), reduction=red)
             assert_close(losses[red], want.reshape(targets.shape) if red == "none" else want, name=f"loss {red}")
         assert_close(glg, _chunk(lg.grad, rank, world, -1), name="logit grad")
+
+
+def _uneven_vocab(logits: torch.Tensor, targets: torch.Tensor, bounds: list[int]) -> tuple:
+    rank = dist.get_rank()
+    lg = logits[:, bounds[rank]:bounds[rank + 1]].clone().requires_grad_(True)
+    with record_collectives() as log:
+        loss = tp.vocab_parallel_cross_entropy(lg, targets, bounds[rank])
+    loss.backward()
+    return loss, lg.grad, log.bytes(), log.count("all_gather")
+
+
+def test_vocab_parallel_cross_entropy_uneven_split_and_large_logits() -> None:
+    logits = torch.randn(6, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 5 + 1e4
+    targets = torch.tensor([0, 3, 4, 6, 7, 9])  # the first and last id of each shard
+    bounds = [0, 4, 7, 10]
+    lg = logits.clone().requires_grad_(True)
+    want = F.cross_entropy(lg, targets)
+    want.backward()
+    for rank, (loss, grad, nbytes, gathers) in enumerate(launch(_uneven_vocab, 3, logits, targets, bounds)):
+        assert_close(loss, want.detach(), name="loss")
+        assert_close(grad, lg.grad[:, bounds[rank]:bounds[rank + 1]], name="logit grad")
+        assert nbytes == 3 * 6 * 8 and gathers == 0
 
 
 def _dtensor(ff: models.FeedForward, attn: models.CausalSelfAttention, x: torch.Tensor) -> tuple:
@@ -225,6 +309,9 @@ def test_shard_validation_and_comm_formula() -> None:
                                                                          "backward": 2 * 8 * 1024 * 768 * 2}
     assert tp.tp_comm_bytes_per_layer(1, 1, 1, torch.float64)["forward"] == 16
     assert tp.all_reduce_wire_bytes(100, 4) == 150
+    assert tp.tp_activation_bytes_per_layer(1, 1, 1, 1, 1) == 34 + 5
+    assert tp.tp_activation_bytes_per_layer(2, 1, 4, 2, 4, sequence_parallel=True, attention_scores=False) == 8 * 34 / 4
+    assert tp.tp_activation_bytes_per_layer(2, 1, 4, 2, 2, attention_scores=False) == 8 * (10 + 12)
 
 
 # ---- the torchrun entry -------------------------------------------------------------------------
@@ -241,5 +328,6 @@ def test_torchrun_entry_checks_every_layer_forward_and_backward() -> None:
     for layer in ("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention", "ParallelBlock"):
         assert [c.split(": ")[1] for c in checks if c.startswith(layer)] == [
             "forward", "input gradient", "shard parameters and gradients"], (layer, checks)
+    assert {c.split(": ")[0] for c in checks} >= {"SequenceParallelBlock", "VocabParallelCrossEntropy"}, checks
     assert (result["forward_all_reduces"], result["backward_all_reduces"]) == (2, 2)
     assert (result["forward_bytes"], result["backward_bytes"]) == tuple(result["formula_bytes"].values())

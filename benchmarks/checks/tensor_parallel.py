@@ -2,7 +2,8 @@
 
 Column- and row-parallel linear, MLP, attention and a whole block against the single-device
 modules, forward and backward (output, input gradient, the shard's parameters and gradients);
-then one block's all-reduce calls and bytes against the formula, and its fwd+bwd time:
+the sequence-parallel block (dropout on) and the vocabulary-parallel cross-entropy; then one
+block's all-reduce calls and bytes against the formula, and its fwd+bwd time:
 
     torchrun --standalone --nproc_per_node N -m benchmarks.checks.tensor_parallel [--small]
 """
@@ -78,7 +79,51 @@ def check(small: bool) -> dict[str, Any]:
     _check_sharded("ParallelMLP", block.mlp, lambda m: tp.ParallelMLP.from_module(m, rank, world), x)
     _check_sharded("ParallelAttention", block.attn, lambda m: tp.ParallelAttention.from_module(m, rank, world), x)
     _check_sharded("ParallelBlock", block, lambda m: tp.ParallelBlock.from_module(m, rank, world), x)
+    _check_sequence_parallel(block, x)
+    _check_vocab_cross_entropy(50 if small else cfg.vocab_size, b * s)
     return {"world_size": world, "backend": dist.get_backend(), **_block_measurements(block.float(), x.float())}
+
+
+def _check_sequence_parallel(block: models.Block, x: torch.Tensor, p: float = 0.1, seed: int = 3) -> None:
+    """In every rank: the sequence-parallel block (two ParallelSublayers, dropout ``p``) against one device."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = copy.deepcopy(block)
+    layer = tp.parallel_sublayer_block(reference, rank, world, sequence_parallel=True, p=p, seed=seed)
+    x_ref = x.clone().requires_grad_(True)
+    mid = x_ref + tp.sequence_dropout(reference.attn(reference.ln_1(x_ref)), p, seed)
+    y_ref = mid + tp.sequence_dropout(reference.mlp(reference.ln_2(mid)), p, seed + 1)
+    dy = torch.randn(y_ref.shape, dtype=y_ref.dtype, generator=torch.Generator().manual_seed(1)).to(y_ref.device)
+    y_ref.backward(dy)
+    mine = slice(rank * x.shape[1] // world, (rank + 1) * x.shape[1] // world)
+    x_par = x[:, mine].clone().requires_grad_(True)
+    layer(x_par).backward(dy[:, mine])
+    tol = {"rtol": 1e-9, "atol": 1e-11}
+    report_check("SequenceParallelBlock: forward", layer(x_par), y_ref[:, mine], **tol)
+    assert x_ref.grad is not None and x_par.grad is not None, "the input gradients exist after backward"
+    report_check("SequenceParallelBlock: input gradient", x_par.grad, x_ref.grad[:, mine], **tol)
+    for i, ln in enumerate((reference.ln_1, reference.ln_2)):
+        for name in ("weight", "bias"):
+            report_check(f"SequenceParallelBlock: LayerNorm {i + 1} {name} gradient",
+                         getattr(layer[i].ln, name).grad, getattr(ln, name).grad, **tol)
+
+
+def _check_vocab_cross_entropy(vocab: int, tokens: int) -> None:
+    """In every rank: the vocabulary-parallel loss on uneven slices against ``F.cross_entropy``, loss and gradient."""
+    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(tokens, vocab, dtype=torch.float64, generator=gen) * 10 + 1e4).to(device)
+    targets = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+    bounds = [vocab * r // world for r in range(world + 1)]  # slices differ by at most one id
+    ref = logits.clone().requires_grad_(True)
+    want = torch.nn.functional.cross_entropy(ref, targets)
+    want.backward()
+    local = logits[:, bounds[rank]:bounds[rank + 1]].clone().requires_grad_(True)
+    loss = tp.vocab_parallel_cross_entropy(local, targets, bounds[rank])
+    loss.backward()
+    report_check("VocabParallelCrossEntropy: loss", loss, want, rtol=1e-9, atol=1e-11)
+    assert ref.grad is not None, "the reference logits have a gradient after backward"
+    report_check("VocabParallelCrossEntropy: logit gradient", local.grad, ref.grad[:, bounds[rank]:bounds[rank + 1]],
+                 rtol=1e-9, atol=1e-11)
 
 
 def _block_measurements(block: models.Block, x: torch.Tensor) -> dict[str, Any]:
