@@ -1,4 +1,4 @@
-"""Chapter 12 (data parallelism): averaged gradients, naive and bucketed DDP, ZeRO stage 1, scaling.
+"""Chapter 12 (data parallelism): averaged gradients, naive and bucketed DDP, ZeRO stages 1-3, scaling, DeepSpeed.
 
 Every rank holds a full copy of the model, runs forward and backward on its own slice of the
 global batch, and the ranks average their gradients before the optimizer step. Averaging
@@ -13,12 +13,15 @@ train the same model as one process with an N times larger batch.
     ddp = dp.BucketedDDP(model, bucket_cap_mb=1.0)                      # overlapped DDP
     loss = loss_fn(ddp(x), y); loss.backward(); ddp.finish_gradient_sync(); optimizer.step()
     opt = dp.ZeroStage1Optimizer(model.parameters(), lr=1e-3)           # Adam states sharded
-    # cost model
+    opt = dp.ZeroStage2Optimizer(model.parameters(), lr=1e-3)           # + gradients reduce-scattered in hooks
+    net = nn.Sequential(*(dp.FullyShardedBlock(b) for b in blocks))     # + parameters sharded (ZeRO-3, FSDP)
+    # cost models
+    dp.zero_bytes_sent(7.5e9, stage=3, world_size=64)                   # 1.5 times DDP's bytes per rank
     dp.scaling_efficiency(t_compute=0.30, t_comm=0.12, t_overlap=0.10)  # 0.9375
 
 The exercises' training cases and rank workers are ``course_lib.exercises.data_parallel``; the
-torchrun self-check against PyTorch's DDP and ZeroRedundancyOptimizer, on GPUs or gloo CPU
-ranks, is ``benchmarks.checks.data_parallel``.
+torchrun self-check against PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2, on GPUs or gloo
+CPU ranks, is ``benchmarks.checks.data_parallel``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from course_lib.accumulation_checkpointing import split_micro_batches
 from course_lib.optimizers import adam_step
@@ -48,6 +52,13 @@ __all__ = [
     "assign_buckets",
     "BucketedDDP",
     "ZeroStage1Optimizer",
+    "shard_size",
+    "ZeroStage2Optimizer",
+    "FullyShardedBlock",
+    "ring_bytes_sent",
+    "zero_bytes_sent",
+    "zeropp_cross_node_bytes",
+    "offload_step_seconds",
     "step_compute_time",
     "scaling_efficiency",
 ]
@@ -363,6 +374,244 @@ class ZeroStage1Optimizer:
         for p in self.params:
             p.copy_(flat_param[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+
+
+# ---- ZeRO stage 2 ---------------------------------------------------------------------------------
+
+
+def shard_size(numel: int, world_size: int) -> int:
+    """Elements of one rank's shard of a flat vector of ``numel`` elements padded to a multiple of ``world_size``."""
+    return math.ceil(numel / world_size)
+
+
+def _padded_flat(t: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``t`` flattened and zero-padded to ``world_size`` shards of ``shard_size`` elements (a new contiguous tensor)."""
+    return F.pad(t.reshape(-1), (0, shard_size(t.numel(), world_size) * world_size - t.numel()))
+
+
+class ZeroStage2Optimizer:
+    """Adam with its states *and the gradients* sharded over the ranks (ZeRO stage 2).
+
+    Every parameter is flattened and padded to N equal shards; rank r owns shard r of each. A
+    post-accumulate-grad hook reduce-scatters a gradient as soon as backward has produced it,
+    adds this rank's averaged shard to ``self.grad_shards[i]`` and frees the full gradient
+    (``p.grad = None``): between two hooks a rank holds one full gradient at most, and after
+    backward only its 1/N of them. ``step()`` applies Adam to each parameter's shard (states in
+    ``self.state[i]``) and all-gathers the updated shards into every rank's parameters.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        world_size: int | None = None,
+        rank: int | None = None,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+        self.rank = dist.get_rank() if rank is None else rank
+        self.hyper: dict[str, Any] = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.state: dict[int, dict[str, Any]] = {}
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(self.params)
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._reduce_scatter, i))
+
+    @torch.no_grad()
+    def _reduce_scatter(self, i: int, p: torch.Tensor) -> None:
+        """The hook: this rank's averaged shard of ``p.grad`` is added to ``grad_shards[i]``; ``p.grad`` is freed."""
+        assert p.grad is not None
+        shard = torch.empty(shard_size(p.numel(), self.world_size), dtype=p.dtype, device=p.device)
+        dist.reduce_scatter_tensor(shard, _padded_flat(p.grad, self.world_size))
+        shard.div_(self.world_size)
+        old = self.grad_shards[i]
+        self.grad_shards[i] = shard if old is None else old.add_(shard)
+        p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradient shards (and any full gradient)."""
+        self.grad_shards = [None] * len(self.params)
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Adam on this rank's shard of every parameter, then an all-gather of the updated shards."""
+        for i, p in enumerate(self.params):
+            full = _padded_flat(p.detach(), self.world_size)
+            size = full.numel() // self.world_size
+            shard = full[self.rank * size:(self.rank + 1) * size].clone()
+            grad = self.grad_shards[i]
+            adam_step(shard, torch.zeros_like(shard) if grad is None else grad, self.state.setdefault(i, {}),
+                      **self.hyper)
+            dist.all_gather_into_tensor(full, shard)
+            p.copy_(full[:p.numel()].view_as(p))
+
+
+# ---- ZeRO stage 3: a fully sharded block (FSDP) ----------------------------------------------------
+
+
+class _GatherParams(torch.autograd.Function):
+    """Forward: all-gather a block's flat parameters from the shards. Backward: reduce-scatter their gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, owner: FullyShardedBlock) -> torch.Tensor:
+        ctx.owner = owner
+        return owner.gather()
+
+    @staticmethod
+    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[torch.Tensor, None]:
+        owner = ctx.owner
+        owner.full_for_backward = None  # reshard: the gathered parameters of the backward pass are freed
+        return owner.reduce_scatter(grad_full), None
+
+
+class FullyShardedBlock(nn.Module):
+    """ZeRO stage 3 for one block of a model: only this rank's flat shard of its parameters lives between uses.
+
+    At construction the block's parameters (``block.parameters()`` order) are flattened into one
+    vector, padded to a multiple of N; rank r keeps elements [r S, (r + 1) S) as the parameter
+    ``self.shard`` and the block's own parameters are emptied. ``forward`` all-gathers the full
+    vector (``gather``), runs the block on views of it, and lets it go: autograd does not keep
+    it, because a saved-tensor hook replaces each saved parameter by its place in the vector.
+    When the gradient of the block's output arrives, the vector is gathered again
+    (``full_for_backward``) for the saved tensors to read; once backward has the gradient of the
+    whole vector it is freed and the gradient reduce-scattered (averaged) into ``self.shard.grad``.
+    Any optimizer on the model's parameters then steps on the shards.
+    """
+
+    def __init__(self, block: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.block = block
+        self.group = group
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        named = [(n, p) for n, p in block.named_parameters()]
+        self.layout = [(n, p.shape, p.numel()) for n, p in named]
+        flat = _padded_flat(torch.cat([p.detach().reshape(-1) for _, p in named]), self.world_size)
+        size = flat.numel() // self.world_size
+        self.shard = nn.Parameter(flat[self.rank * size:(self.rank + 1) * size].clone())
+        for _, p in named:  # free the block's own copy: the shard is all this rank keeps
+            p.requires_grad_(False)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.full_for_backward: torch.Tensor | None = None
+
+    def gather(self) -> torch.Tensor:
+        """The full flat parameter vector (padded), all-gathered from every rank's shard into a new buffer."""
+        full = torch.empty(self.shard.numel() * self.world_size, dtype=self.shard.dtype, device=self.shard.device)
+        dist.all_gather_into_tensor(full, self.shard.detach(), group=self.group)
+        return full
+
+    def reduce_scatter(self, grad_full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the gradient of the full vector, averaged over the ranks."""
+        grad = torch.empty_like(self.shard)
+        dist.reduce_scatter_tensor(grad, grad_full.contiguous(), group=self.group)
+        return grad.div_(self.world_size)
+
+    def _views(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        views, offset = {}, 0
+        for name, shape, n in self.layout:
+            views[name] = full[offset:offset + n].view(shape)
+            offset += n
+        return views
+
+    def _gather_for_backward(self, grad: torch.Tensor) -> None:
+        """Hook on the block's output: its backward is next, so gather the parameters again."""
+        with torch.no_grad():
+            self.full_for_backward = self.gather()
+
+    def forward(self, *args: Any) -> Any:
+        """Gather, run the block on views of the gathered vector, free it (autograd keeps only offsets)."""
+        full = _GatherParams.apply(self.shard, self)
+        where = full.data_ptr()  # an address, not the tensor: the hooks must not keep it alive
+
+        def pack(t: torch.Tensor) -> Any:
+            if t.untyped_storage().data_ptr() == where:
+                return (t.storage_offset(), t.shape, t.stride())  # a parameter view: keep where it was
+            return t
+
+        def unpack(saved: Any) -> torch.Tensor:
+            if isinstance(saved, tuple):
+                assert self.full_for_backward is not None, "the parameters were not gathered for backward"
+                offset, shape, stride = saved
+                return self.full_for_backward.as_strided(shape, stride, offset)
+            return saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = functional_call(self.block, self._views(full), args)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._gather_for_backward)
+        return out
+
+
+# ---- the communication and offload models ----------------------------------------------------------
+
+
+def ring_bytes_sent(op: str, payload_bytes: float, world_size: int) -> float:
+    """Bytes one rank sends for a ring collective, given the payload that ``record_collectives`` logs.
+
+    all_reduce (payload: the whole buffer B): 2 (N-1)/N B; reduce_scatter (payload: the input, B):
+    (N-1)/N B; all_gather (payload: this rank's contribution C): (N-1) C.
+    """
+    n = world_size
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * payload_bytes
+    if op.startswith("reduce_scatter"):
+        return (n - 1) / n * payload_bytes
+    if op.startswith("all_gather"):
+        return (n - 1) * payload_bytes
+    raise ValueError(f"no ring model for {op!r}")
+
+
+def zero_bytes_sent(num_params: float, stage: int, world_size: int, bytes_per_value: float = 2.0) -> float:
+    """Bytes one rank sends per step under ZeRO ``stage`` with ring collectives (Rajbhandari et al. 2020).
+
+    Stages 0-2 move a reduce-scatter and an all-gather's worth, 2 (N-1)/N Psi values, as an
+    all-reduce does; stage 3 gathers the parameters twice (forward and backward): 3 (N-1)/N Psi, 1.5 times.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    passes = 3 if stage == 3 else 2
+    return passes * (world_size - 1) / world_size * num_params * bytes_per_value
+
+
+def zeropp_cross_node_bytes(num_params: float, world_size: int, *, quantized_weights: bool = True,
+                            hierarchical: bool = True, quantized_gradients: bool = True) -> float:
+    """Bytes one rank sends across nodes per ZeRO-3 step with ZeRO++'s three options (Wang et al. 2023).
+
+    Plain ZeRO-3 with fp16 values: forward all-gather, backward all-gather, gradient
+    reduce-scatter, each (N-1)/N Psi 2 bytes. qwZ sends the weights as int8 (half); hpZ keeps a
+    secondary copy of the weights inside each node, so the backward all-gather crosses no node;
+    qgZ sends the gradients as int4 (a quarter). All three: 0.75 Psi bytes instead of 3 Psi (times (N-1)/N).
+    """
+    share = (world_size - 1) / world_size * num_params
+    forward = share * (1.0 if quantized_weights else 2.0)
+    backward = 0.0 if hierarchical else forward
+    gradients = share * (0.5 if quantized_gradients else 2.0)
+    return forward + backward + gradients
+
+
+def offload_step_seconds(num_params: float, tokens: float, flops_per_s: float, pcie_bytes_per_s: float,
+                         cpu_adam_params_per_s: float, nvme_bytes_per_s: float | None = None) -> dict[str, float]:
+    """A model of one ZeRO-Offload step on one GPU, in seconds: compute, PCIe traffic, the CPU's Adam (and NVMe).
+
+    The GPU runs forward and backward (6 Psi tokens FLOPs); the fp16 gradients go to the CPU and
+    the updated fp16 parameters come back (2 Psi bytes each way, one after the other); the CPU
+    runs Adam on all Psi parameters. With ``nvme_bytes_per_s`` (ZeRO-Infinity) the 12 Psi bytes
+    of fp32 master weights and moments live on NVMe: read and written back once per step. Without
+    overlap the step takes the sum (``total``).
+    """
+    parts = {
+        "compute": step_compute_time(num_params, tokens, flops_per_s),
+        "pcie": 2 * (2 * num_params) / pcie_bytes_per_s,
+        "cpu_adam": num_params / cpu_adam_params_per_s,
+    }
+    if nvme_bytes_per_s is not None:
+        parts["nvme"] = 2 * (12 * num_params) / nvme_bytes_per_s
+    parts["total"] = sum(parts.values())
+    return parts
 
 
 # ---- the cost model -------------------------------------------------------------------------------

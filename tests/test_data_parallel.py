@@ -1,5 +1,5 @@
-"""Unit tests of course_lib.data_parallel: the maths in one process, DDP / ZeRO-1 in 2-4 gloo ranks through the
-chapter's harness (course_lib.exercises.data_parallel), and the torchrun self-check."""
+"""Unit tests of course_lib.data_parallel: the maths in one process, DDP / ZeRO-1-2-3 in 2-4 gloo ranks through the
+chapter's harness (course_lib.exercises.data_parallel), the byte and time models, and the torchrun self-check."""
 
 from __future__ import annotations
 
@@ -215,6 +215,88 @@ def test_zero1_state_matches_memory_math() -> None:
     assert per_rank == 8 * numel / 4
 
 
+def test_zero2_equals_adam_with_sharded_gradients_and_states() -> None:
+    cases = [dpx.TrainCase(sizes=(7, 1, 3), optimizer="adam", lr=0.01, seed=2),
+             dpx.TrainCase(sizes=(5, 9, 4, 1), optimizer="adam", lr=0.02, weight_decay=0.1, accumulation=2, seed=3)]
+    world = 3
+    for rank, rank_results in enumerate(_run(dpx.train_zero2, world, dp.ZeroStage2Optimizer, cases)):
+        for case, got in zip(cases, rank_results):
+            want = dpx.train_single_process(case)
+            for a, b in zip(got["params"], want["params"]):
+                assert_close(a, b, rtol=1e-9, atol=1e-11)
+            for g, w in zip(got["first_grad_shards"], want["first_grads"]):
+                assert_close(g, dpx.expected_shards([w], world, rank), rtol=1e-10, atol=1e-12)
+            shards = sum(dp.shard_size(p.numel(), world) for p in case.model().parameters())
+            assert got["state_bytes"] == 2 * 8 * shards and got["grad_shard_bytes"] == 8 * shards
+            assert got["full_grad_bytes"] == 0 and got["calls_in_backward"] > 0
+            micro = case.steps * case.accumulation
+            assert got["comm"]["bytes"] == {"reduce_scatter_tensor": micro * world * shards * 8,
+                                            "all_gather_into_tensor": case.steps * shards * 8}
+
+
+def test_fully_sharded_block_equals_single_process_and_fsdp2() -> None:
+    cases = [dpx.TrainCase(sizes=(7, 1, 3), seed=2),
+             dpx.TrainCase(sizes=(5, 9, 4, 1), optimizer="adam", lr=0.02, weight_decay=0.1, accumulation=2, seed=3)]
+    world = 3
+    results = _run(dpx.train_fully_sharded, world, dp.FullyShardedBlock, cases, against_fsdp2=True)
+    for c, case in enumerate(cases):
+        want = dpx.train_single_process(case)
+        blocks = [len(list(b.parameters())) for b in case.blocks()]
+        ends = np.cumsum([0, *blocks])
+        shard_bytes = 8 * sum(dp.shard_size(sum(p.numel() for p in b.parameters()), world) for b in case.blocks())
+        for j, (a, b) in enumerate(zip(ends[:-1], ends[1:])):
+            full = torch.cat([results[r][c]["shards"][j] for r in range(world)])
+            expected = torch.cat([w.reshape(-1) for w in want["params"][a:b]])
+            assert_close(full[:expected.numel()], expected, rtol=1e-9, atol=1e-11)
+        for r in range(world):
+            got = results[r][c]
+            assert got["alive"] == {"forward": 0, "backward": 0, "after_step": 0}
+            assert got["held_bytes"] == shard_bytes
+            micro = case.steps * case.accumulation
+            assert got["forward"]["bytes"] == {"all_gather_into_tensor": micro * shard_bytes}
+            assert got["backward"]["bytes"] == {"all_gather_into_tensor": micro * shard_bytes,
+                                                "reduce_scatter_tensor": micro * world * shard_bytes}
+        for theirs, mine in zip(results[0][c]["fsdp2"], want["params"]):
+            assert_close(theirs, mine, rtol=1e-9, atol=1e-11)
+
+
+def _gathers_alive_with(wrapper_cls: type) -> dict[str, int]:
+    return _run(dpx.train_fully_sharded, 2, wrapper_cls, [dpx.TrainCase(sizes=(4, 6, 5, 2))])[0][0]["alive"]
+
+
+class _KeepsGathered(dp.FullyShardedBlock):
+    """A wrapper that forgets to reshard: it keeps the forward's gathered parameters."""
+
+    def gather(self) -> torch.Tensor:
+        self.kept = super().gather()
+        return self.kept
+
+
+def test_the_harness_sees_gathered_parameters_kept_alive() -> None:
+    assert _gathers_alive_with(dp.FullyShardedBlock) == {"forward": 0, "backward": 0, "after_step": 0}
+    alive = _gathers_alive_with(_KeepsGathered)
+    assert alive["forward"] > 0 and alive["after_step"] > 0
+
+
+def test_ring_and_zero_byte_models() -> None:
+    assert dp.ring_bytes_sent("all_reduce", 100, 4) == 150
+    assert dp.ring_bytes_sent("reduce_scatter_tensor", 100, 4) + dp.ring_bytes_sent("all_gather_into_tensor", 25, 4) == 150
+    assert dp.zero_bytes_sent(1e9, 3, 8) == pytest.approx(1.5 * dp.zero_bytes_sent(1e9, 0, 8))
+    assert dp.zero_bytes_sent(1e9, 2, 8) == dp.zero_bytes_sent(1e9, 0, 8) == pytest.approx(2 * 7 / 8 * 2e9)
+    plain = dp.zeropp_cross_node_bytes(1e9, 16, quantized_weights=False, hierarchical=False, quantized_gradients=False)
+    assert plain == pytest.approx(dp.zero_bytes_sent(1e9, 3, 16))
+    assert dp.zeropp_cross_node_bytes(1e9, 16) == pytest.approx(plain / 4)  # ZeRO++: 3M -> 0.75M
+    with pytest.raises(ValueError):
+        dp.ring_bytes_sent("broadcast", 1, 2)
+
+
+def test_offload_model() -> None:
+    t = dp.offload_step_seconds(1e9, 1e3, 6e12, pcie_bytes_per_s=4e9, cpu_adam_params_per_s=1e9, nvme_bytes_per_s=24e9)
+    assert t["compute"] == pytest.approx(1.0) and t["pcie"] == pytest.approx(1.0)
+    assert t["cpu_adam"] == pytest.approx(1.0) and t["nvme"] == pytest.approx(1.0) and t["total"] == pytest.approx(4.0)
+    assert "nvme" not in dp.offload_step_seconds(1e9, 1e3, 6e12, 4e9, 1e9)
+
+
 def average_gradients(model: torch.nn.Module) -> None:
     """An untouched exercise."""
     raise NotImplementedError()
@@ -257,9 +339,12 @@ def test_torchrun_entry_checks_ddp_and_zero_against_single_process_and_torch() -
     checks, result = _torchrun("benchmarks.checks.data_parallel")
     for expected in ("naive sgd", "bucketed sgd", "torch_ddp sgd", "naive adam", "bucketed adam",
                      "zero1 adam MLP[6, 10, 4]: params vs single-process Adam",
-                     "zero1 adam MLP[6, 10, 4]: params vs torch ZeroRedundancyOptimizer"):
+                     "zero1 adam MLP[6, 10, 4]: params vs torch ZeroRedundancyOptimizer",
+                     "zero2 adam MLP[6, 10, 4]: params vs single-process Adam",
+                     "fsdp sgd MLP[6, 10, 4]: params vs single process", "fsdp adam MLP[6, 10, 4]: params vs torch FSDP2"):
         assert any(c.startswith(expected) for c in checks), (expected, checks)
     assert any("vs torch DDP" in c for c in checks)
     assert result["world_size"] == 2 and set(result["step_ms"]) == {"compute_only", "naive", "bucketed", "torch_ddp"}
     states = result["optimizer_state_bytes_per_rank"]
     assert states["zero1"] < states["adam_single_process"]  # two moments of half the parameters, padded
+    assert states["zero2"] < states["adam_single_process"]

@@ -2,7 +2,9 @@
 
 Naive DDP, ``BucketedDDP`` (micro-batches in ``no_sync``) and torch's DistributedDataParallel
 against single-process training, ZeRO-1 against single-process Adam and torch's
-ZeroRedundancyOptimizer; then the step time of each DDP and the optimizer-state bytes per rank:
+ZeroRedundancyOptimizer, ZeRO-2 against single-process Adam, ``FullyShardedBlock`` (ZeRO-3) against
+single-process training and torch's FSDP2 (``fully_shard``); then the step time of each DDP and the
+optimizer-state bytes per rank:
 
     torchrun --standalone --nproc_per_node N -m benchmarks.checks.data_parallel [--small]
 """
@@ -12,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from course_lib import data_parallel as dp
@@ -30,7 +34,7 @@ from course_lib.support.torchrun import entry_main, report_check
 
 __all__ = ["check"]
 
-_MODES = ("single", "naive", "bucketed", "torch_ddp", "zero1", "torch_zero")
+_MODES = ("single", "naive", "bucketed", "torch_ddp", "zero1", "torch_zero", "zero2", "fsdp", "torch_fsdp2")
 
 
 def _train(case: TrainCase, mode: str, device: torch.device) -> tuple[nn.Module, Any]:
@@ -39,12 +43,22 @@ def _train(case: TrainCase, mode: str, device: torch.device) -> tuple[nn.Module,
     "single" trains on the whole batch in this process, without communication (the reference);
     "naive", "bucketed" and "torch_ddp" are naive DDP, ``BucketedDDP`` and torch's
     DistributedDataParallel; "zero1" is ``ZeroStage1Optimizer`` and "torch_zero" torch's DDP with
-    ``ZeroRedundancyOptimizer`` (Adam). Micro-batches but the last run in ``no_sync()``.
+    ``ZeroRedundancyOptimizer`` (Adam); "zero2" is ``ZeroStage2Optimizer``; "fsdp" wraps every block
+    of ``case.blocks()`` in ``FullyShardedBlock`` and "torch_fsdp2" applies ``fully_shard`` to every
+    block and to the model. Micro-batches but the last run in ``no_sync()``.
     """
     if mode not in _MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {_MODES}")
     rank, world = (0, 1) if mode == "single" else (dist.get_rank(), dist.get_world_size())
-    model = case.model().to(device)
+    model: nn.Module = case.model().to(device)
+    if mode == "fsdp":
+        model = nn.Sequential(*(dp.FullyShardedBlock(b) for b in case.blocks().to(device)))
+    elif mode == "torch_fsdp2":
+        model = case.blocks().to(device)
+        mesh = init_device_mesh(device.type, (world,))
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     wrapper: dp.BucketedDDP | nn.parallel.DistributedDataParallel | None = None
     if mode == "bucketed":
         wrapper = dp.BucketedDDP(model, bucket_cap_mb=case.bucket_cap_mb)
@@ -53,6 +67,8 @@ def _train(case: TrainCase, mode: str, device: torch.device) -> tuple[nn.Module,
     net: nn.Module = model if wrapper is None else wrapper
     if mode == "zero1":
         opt: Any = dp.ZeroStage1Optimizer(model.parameters(), lr=case.lr, weight_decay=case.weight_decay)
+    elif mode == "zero2":
+        opt = dp.ZeroStage2Optimizer(model.parameters(), lr=case.lr, weight_decay=case.weight_decay)
     elif mode == "torch_zero":
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=case.lr,
                                       weight_decay=case.weight_decay)
@@ -78,6 +94,16 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
+def _flat_params(model: nn.Module) -> torch.Tensor:
+    """All parameters of a trained model as one flat vector: gathered from the shards of ``FullyShardedBlock``s
+    or of FSDP2's DTensors, as they are otherwise."""
+    blocks = [b for b in model.children() if isinstance(b, dp.FullyShardedBlock)]
+    if blocks:
+        return torch.cat([b.gather()[:sum(n for _, _, n in b.layout)] for b in blocks])
+    full = [cast(Any, p).full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters() if p.requires_grad]
+    return torch.cat([p.detach().reshape(-1) for p in full])
+
+
 def check(small: bool) -> dict[str, Any]:
     """In every rank: naive, bucketed and torch DDP, ZeRO-1 and torch's ZeRO against single-process training; timings."""
     world, device = dist.get_world_size(), rank_device()
@@ -100,8 +126,14 @@ def check(small: bool) -> dict[str, Any]:
             report_check(f"zero1 {label}: params vs single-process Adam", _params(zero1), _params(reference), **tol)
             report_check(f"zero1 {label}: params vs torch ZeroRedundancyOptimizer", _params(zero1), _params(torch_zero),
                          **tol)
+            zero2, opt2 = _train(case, "zero2", device)
+            report_check(f"zero2 {label}: params vs single-process Adam", _params(zero2), _params(reference), **tol)
             states = {"zero1": tensor_bytes(opt.state), "torch_zero": tensor_bytes(torch_opt.optim.state),
-                      "adam_single_process": tensor_bytes(reference_opt.state)}
+                      "zero2": tensor_bytes(opt2.state), "adam_single_process": tensor_bytes(reference_opt.state)}
+        fsdp, _ = _train(case, "fsdp", device)
+        fsdp2, _ = _train(case, "torch_fsdp2", device)
+        report_check(f"fsdp {label}: params vs single process", _flat_params(fsdp), _flat_params(reference), **tol)
+        report_check(f"fsdp {label}: params vs torch FSDP2", _flat_params(fsdp), _flat_params(fsdp2), **tol)
     return {
         "world_size": world,
         "backend": dist.get_backend(),

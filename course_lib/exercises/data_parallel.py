@@ -2,17 +2,24 @@
 
 A ``TrainCase`` is a small regression MLP and its data, the same in every process that builds it.
 ``train_single_process`` trains it on the whole batch (what data parallelism must reproduce);
-``train_naive_ddp``, ``train_bucketed_ddp`` and ``train_zero1`` train it in a rank with a
-student's ``average_gradients``, ``BucketedDDP`` or ``ZeroStage1Optimizer``; ``launch_exercise``
-runs one of those in every rank, for every case, and the test compares what comes back.
+``train_naive_ddp``, ``train_bucketed_ddp``, ``train_zero1``, ``train_zero2`` and
+``train_fully_sharded`` train it in a rank with a student's ``average_gradients``, ``BucketedDDP``,
+``ZeroStage1Optimizer``, ``ZeroStage2Optimizer`` or ``FullyShardedBlock``, and record what the
+mechanism did (the collectives, their bytes, when a handle was waited for, which gathered
+buffers were still alive); ``launch_exercise`` runs one of those in every rank, for every case,
+and the test compares what comes back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import math
+import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch._dynamo  # noqa: F401 - torch.optim imports it on first use (seconds): once here, not in every rank
@@ -28,12 +35,16 @@ from course_lib.support.sizes import tensor_bytes
 
 __all__ = [
     "TrainCase",
+    "comm_summary",
+    "expected_shards",
     "gradient_scale_hint",
     "launch_exercise",
     "train_bucketed_ddp",
+    "train_fully_sharded",
     "train_naive_ddp",
     "train_single_process",
     "train_zero1",
+    "train_zero2",
 ]
 
 
@@ -59,6 +70,11 @@ class TrainCase:
     def model(self, seed: int | None = None) -> MLP:
         """The initial model (``seed`` overrides the case's: ranks that start from different weights)."""
         return MLP(self.sizes, nn.Tanh, seed=self.seed if seed is None else seed).to(self.dtype)
+
+    def blocks(self, seed: int | None = None) -> nn.Sequential:
+        """The same model as ``model()``, as a stack of blocks: (Linear, Tanh) pairs, the last Linear alone."""
+        layers = list(self.model(seed))
+        return nn.Sequential(*(nn.Sequential(*layers[i:i + 2]) for i in range(0, len(layers), 2)))
 
     def data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs (steps, accumulation, batch, in) and targets (steps, accumulation, batch, out)."""
@@ -93,24 +109,38 @@ def _grad_copies(model: nn.Module) -> list[torch.Tensor]:
     return [g.clone() for g in grads if g is not None]
 
 
+def comm_summary(calls: Iterable[Call]) -> dict[str, Any]:
+    """Plain data about recorded calls: payload bytes per operation, and whether every buffer was contiguous."""
+    by_op: dict[str, int] = {}
+    contiguous = True
+    for c in calls:
+        by_op[c.op] = by_op.get(c.op, 0) + c.bytes
+        contiguous &= c.contiguous
+    return {"bytes": by_op, "contiguous": contiguous}
+
+
 def _train_shards(case: TrainCase, rank: int, world: int,
-                  average_fn: Callable[[nn.Module], None] | None = None) -> dict[str, list[torch.Tensor]]:
+                  average_fn: Callable[[nn.Module], None] | None = None) -> dict[str, Any]:
     """Train ``case`` on shard ``rank`` of ``world`` of every batch, calling ``average_fn(model)`` before each step."""
     model = case.model()
     opt = case.make_optimizer(model.parameters())
     x, y = case.data()
     first: list[torch.Tensor] = []
+    calls: list[Call] = []
     for s in range(case.steps):
         opt.zero_grad(set_to_none=True)
         for k in range(case.accumulation):
             xs, ys = shard_batch((x[s, k], y[s, k]), rank, world)
             (F.mse_loss(model(xs), ys) / case.accumulation).backward()
         if average_fn is not None:
-            average_fn(model)
+            with record_collectives() as log:
+                average_fn(model)
+            calls += log.calls
         if s == 0:
             first = _grad_copies(model)
         opt.step()
-    return {"first_grads": first, "params": [p.detach().clone() for p in model.parameters()]}
+    return {"first_grads": first, "params": [p.detach().clone() for p in model.parameters()],
+            "comm": comm_summary(calls)}
 
 
 def train_single_process(case: TrainCase) -> dict[str, list[torch.Tensor]]:
@@ -143,6 +173,7 @@ def train_bucketed_ddp(ddp_cls: Callable[..., Any], case: TrainCase, *, distinct
     theirs = nn.parallel.DistributedDataParallel(ref_model, bucket_cap_mb=case.bucket_cap_mb)
     ref_opt = case.make_optimizer(ref_model.parameters())
     during_backward: list[Call] = []  # the all-reduces ours called while backward() ran
+    early_waits: list[str] = []  # buckets waited for inside backward before a later bucket was started
     for s in range(case.steps):
         runs: list[tuple[Any, torch.optim.Optimizer]] = [(ours, opt), (theirs, ref_opt)]
         for net, o in runs:
@@ -155,7 +186,13 @@ def train_bucketed_ddp(ddp_cls: Callable[..., Any], case: TrainCase, *, distinct
                     if net is ours:
                         with record_collectives() as log:
                             loss.backward()
-                        during_backward += log.of("all_reduce")
+                        launched = log.of("all_reduce")
+                        during_backward += launched
+                        # A bucket handle waited for before the next bucket started (the last one: before
+                        # backward returned) is communication that overlapped nothing.
+                        for j, c in enumerate(launched[:-1]):
+                            if c.waited is not None and c.waited < launched[j + 1].start:
+                                early_waits.append(f"step {s}, all-reduce {j} of {len(launched)}")
                     else:
                         loss.backward()
             if net is ours:
@@ -166,25 +203,204 @@ def train_bucketed_ddp(ddp_cls: Callable[..., Any], case: TrainCase, *, distinct
         "torch_ddp": [p.detach().clone() for p in ref_model.parameters()],
         "all_reduces_during_backward": len(during_backward),
         "async_during_backward": sum(c.async_op for c in during_backward),
+        "early_waits": early_waits,
+        "contiguous": all(c.contiguous for c in during_backward),
     }
 
 
 def train_zero1(opt_cls: Callable[..., Any], case: TrainCase) -> dict[str, Any]:
     """In a rank: train ``case`` (Adam) with ``opt_cls(params, world_size, rank, lr=..., weight_decay=...)``, no other sync.
 
-    Returns the final parameters and the bytes of the tensors in the optimizer's ``state``.
+    Returns the final parameters, the bytes of the tensors in the optimizer's ``state`` and the collectives of ``step()``.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     model = case.model()
     opt = opt_cls(list(model.parameters()), world, rank, lr=case.lr, weight_decay=case.weight_decay)
     x, y = case.data()
+    calls: list[Call] = []
     for s in range(case.steps):
         opt.zero_grad()
         for k in range(case.accumulation):
             xs, ys = shard_batch((x[s, k], y[s, k]), rank, world)
             (F.mse_loss(model(xs), ys) / case.accumulation).backward()
+        with record_collectives() as log:
+            opt.step()
+        calls += log.calls
+    return {"params": [p.detach().clone() for p in model.parameters()], "state_bytes": tensor_bytes(opt.state),
+            "comm": comm_summary(calls)}
+
+
+def train_zero2(opt_cls: Callable[..., Any], case: TrainCase) -> dict[str, Any]:
+    """In a rank: train ``case`` with ``opt_cls(params, world_size, rank, lr=..., weight_decay=...)`` (ZeRO-2).
+
+    Returns the final parameters, ``grad_shards`` before the first step; the bytes of ``state``,
+    of ``grad_shards`` and of the full gradients still held after each backward; the collectives
+    of each step, and how many were called while backward ran.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = case.model()
+    opt = opt_cls(list(model.parameters()), world, rank, lr=case.lr, weight_decay=case.weight_decay)
+    x, y = case.data()
+    calls: list[Call] = []
+    in_backward = 0
+    full_grad_bytes = 0
+    first: list[torch.Tensor | None] = []
+    for s in range(case.steps):
+        opt.zero_grad()
+        with record_collectives() as log:
+            for k in range(case.accumulation):
+                xs, ys = shard_batch((x[s, k], y[s, k]), rank, world)
+                before = len(log.calls)
+                (F.mse_loss(model(xs), ys) / case.accumulation).backward()
+                in_backward += len(log.calls) - before
+                full_grad_bytes = max(full_grad_bytes, tensor_bytes([p.grad for p in model.parameters()]))
+            grad_shard_bytes = tensor_bytes(getattr(opt, "grad_shards", None))
+            if s == 0:
+                first = [None if g is None else g.detach().clone() for g in getattr(opt, "grad_shards", [])]
+            opt.step()
+        calls += log.calls
+    return {"params": [p.detach().clone() for p in model.parameters()], "state_bytes": tensor_bytes(opt.state),
+            "first_grad_shards": first, "grad_shard_bytes": grad_shard_bytes, "full_grad_bytes": full_grad_bytes,
+            "comm": comm_summary(calls), "calls_in_backward": in_backward}
+
+
+class _GatheredBuffers:
+    """Weak references to the buffers every all-gather wrote into: how many of them are still alive, and their bytes."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref] = []
+
+    def alive(self, patience: float = 0.0) -> int:
+        """Bytes of the gathered buffers whose storage is still allocated.
+
+        With ``patience`` (seconds), a buffer counts only if it is still alive after garbage in
+        reference cycles is collected and that long has passed.
+        """
+        deadline = time.monotonic() + patience
+        while (n := self._count()) and patience:
+            gc.collect()
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        return n
+
+    def _count(self) -> int:
+        return sum(s.nbytes() for s in (r() for r in self.refs) if s is not None)
+
+    @contextlib.contextmanager
+    def watching(self, on_gather: Callable[[Callable[[float], int]], None]) -> Any:
+        """Within the block, every ``dist.all_gather_into_tensor`` / ``dist.all_gather`` first calls ``on_gather(self.alive)``."""
+        originals = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_gather")}
+
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def watched(out: Any, *args: Any, **kwargs: Any) -> Any:
+                on_gather(self.alive)
+                outs = list(out) if isinstance(out, (list, tuple)) else [out]
+                for t in outs:
+                    self.refs.append(weakref.ref(t.untyped_storage()))
+                if kwargs.get("async_op"):
+                    return fn(out, *args, **kwargs)
+                # A synchronous call gathers into buffers of our own, copied into the caller's: gloo keeps
+                # references to a collective's buffers for a while after it returns, and only the caller's
+                # own references are to count.
+                mine = [torch.empty_like(t) for t in outs]
+                result = fn(mine if isinstance(out, (list, tuple)) else mine[0], *args, **kwargs)
+                with torch.no_grad():
+                    for t, m in zip(outs, mine):
+                        t.copy_(m)
+                return result
+            return watched
+
+        try:
+            for name, fn in originals.items():
+                setattr(dist, name, wrap(fn))
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
+
+def _held_bytes(module: nn.Module) -> int:
+    """Bytes of the tensors a module tree holds in its attributes (parameters, buffers, anything else), each storage once."""
+    return tensor_bytes([list(vars(m).values()) for m in module.modules()])
+
+
+def train_fully_sharded(block_cls: Callable[..., Any], case: TrainCase, *, against_fsdp2: bool = False) -> dict[str, Any]:
+    """In a rank: train ``case``'s block stack with every block wrapped in ``block_cls(block)`` (ZeRO-3).
+
+    Returns each block's ``shard`` after training and its ``shard.grad`` before the first step; the
+    bytes the wrapped model holds; the collectives of forward and of backward; the most bytes of gathered parameters alive when a
+    block gathered in the forward pass, in the backward pass, and after each step. With
+    ``against_fsdp2``, also the full parameters of the same training under ``fully_shard``.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrapped: list[Any] = [block_cls(b) for b in case.blocks()]
+    model = nn.Sequential(*wrapped)
+    opt = case.make_optimizer(model.parameters())
+    x, y = case.data()
+    forward_calls: list[Call] = []
+    backward_calls: list[Call] = []
+    alive = {"forward": 0, "backward": 0, "after_step": 0}
+    buffers = _GatheredBuffers()
+    first: list[torch.Tensor | None] = []
+    phase = ["forward"]
+    largest = max(b.shard.numel() * b.shard.element_size() for b in wrapped) * world
+    limit = {"forward": 0, "backward": largest, "after_step": 0}  # what a correct wrapper may keep alive
+
+    def note(measure: Callable[[float], int]) -> None:
+        # be patient until the first excess of a phase is found: then the run has failed anyway
+        alive[phase[0]] = max(alive[phase[0]], measure(0.0 if alive[phase[0]] > limit[phase[0]] else 0.5))
+
+    with buffers.watching(note):
+        for s in range(case.steps):
+            opt.zero_grad(set_to_none=True)
+            for k in range(case.accumulation):
+                xs, ys = shard_batch((x[s, k], y[s, k]), rank, world)
+                phase[0] = "forward"
+                with record_collectives() as log:
+                    loss = F.mse_loss(model(xs), ys) / case.accumulation
+                forward_calls += log.calls
+                phase[0] = "backward"
+                with record_collectives() as log:
+                    loss.backward()
+                backward_calls += log.calls
+                del loss
+                alive["after_step"] = max(alive["after_step"], buffers.alive(0.5))
+            if s == 0:
+                first = [None if b.shard.grad is None else b.shard.grad.detach().clone() for b in wrapped]
+            opt.step()
+    result: dict[str, Any] = {
+        "shards": [b.shard.detach().clone() for b in wrapped], "first_grad_shards": first,
+        "held_bytes": _held_bytes(model),
+        "forward": comm_summary(forward_calls), "backward": comm_summary(backward_calls),
+        "forward_ops": [c.op for c in forward_calls], "backward_ops": [c.op for c in backward_calls],
+        "alive": alive,
+    }
+    if against_fsdp2:
+        result["fsdp2"] = _train_fsdp2(case)
+    return result
+
+
+def _train_fsdp2(case: TrainCase) -> list[torch.Tensor]:
+    """In a rank: the full parameters after training ``case``'s block stack under FSDP2 (``fully_shard`` per block)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = case.blocks()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = case.make_optimizer(model.parameters())
+    x, y = case.data()
+    for s in range(case.steps):
+        opt.zero_grad(set_to_none=True)
+        for k in range(case.accumulation):
+            xs, ys = shard_batch((x[s, k], y[s, k]), rank, world)
+            (F.mse_loss(model(xs), ys) / case.accumulation).backward()
         opt.step()
-    return {"params": [p.detach().clone() for p in model.parameters()], "state_bytes": tensor_bytes(opt.state)}
+    return [cast(Any, p).full_tensor().detach().clone() for p in model.parameters()]
 
 
 def _each_case(worker: Callable[..., Any], student: Any, cases: Sequence[TrainCase], kwargs: dict[str, Any]) -> list[Any]:
@@ -208,6 +424,13 @@ def launch_exercise(
     The ranks use gloo on the CPU, also where there are GPUs: the cases are small CPU models.
     """
     return launch_on_cpu(_each_case, world_size, worker, student, list(cases), kwargs, timeout=timeout)
+
+
+def expected_shards(tensors: Sequence[torch.Tensor], world_size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of the flattened, concatenated ``tensors`` padded with zeros to a multiple of ``world_size``."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    size = math.ceil(flat.numel() / world_size)
+    return F.pad(flat, (0, size * world_size - flat.numel()))[rank * size:(rank + 1) * size]
 
 
 def gradient_scale_hint(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor], world_size: int) -> str:
