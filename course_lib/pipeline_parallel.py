@@ -1,4 +1,4 @@
-"""Chapter 14 (pipeline parallelism): layer-wise stages, micro-batches, GPipe and 1F1B schedules.
+"""Chapter 14 (pipeline parallelism): layer-wise stages, micro-batches, GPipe, 1F1B, interleaved and zero-bubble schedules.
 
 The model's layers are cut into ``p`` contiguous groups, one per rank ("stage"). A batch is cut
 into ``m`` micro-batches; activations travel forward from stage r to r+1 and their gradients
@@ -14,6 +14,10 @@ travel back. How the stages order their forward (F) and backward (B) passes is t
     # inside a rank (course_lib.support.dist.launch), ``stage`` holding pp.stage_layers(model, bounds, rank):
     loss = pp.gpipe_step(stage, (x, y), m, F.mse_loss)              # blocking send/recv
     loss = pp.run_schedule(stage, schedule, (x, y), m, F.mse_loss)  # any schedule, batched p2p
+    # interleaved 1F1B: v chunks per rank, chunk c of rank r is virtual stage c*p + r of ``parts``
+    loss = pp.run_interleaved(parts, pp.interleaved_schedule(p, m, v, rank), (x, y), m, F.mse_loss)
+    pp.zero_bubble_schedules(p=4, m=8)               # ZB-H1-like: F, B (input grads), W (weight grads)
+    pp.parallel_traffic(b, s, h, n_layers, n_params, m, tp=8, pp=8, dp=8)  # bytes per GPU and step, by kind
 
 Timelines are ``course_lib.support.timeline.Timeline``s, one lane per stage. The instrumented stage
 that records real runs (F/B spans, saved activation bytes) and the driver of one timed step in a
@@ -40,6 +44,7 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "balanced_partition",
+    "boundary_bytes",
     "bubble_fraction",
     "connect_neighbours",
     "exchange",
@@ -47,18 +52,24 @@ __all__ = [
     "gpipe_step",
     "in_flight",
     "interleaved_schedule",
+    "ChunkAction",
     "make_model",
     "measured_bubble",
     "naive_schedule",
     "one_f_one_b_schedule",
+    "parallel_traffic",
     "reference_step",
+    "ring_all_reduce_bytes",
+    "run_interleaved",
     "run_schedule",
     "simulate",
     "stage_layers",
     "torch_pipeline_step",
+    "zero_bubble_schedules",
 ]
 
 Action = tuple[str, int]  # ("F", micro-batch) or ("B", micro-batch): one entry of a rank's schedule
+ChunkAction = tuple[str, int, int]  # ("F" or "B", micro-batch, chunk): one entry of an interleaved schedule
 
 
 # ---- the model and its partition ------------------------------------------------------------------
@@ -163,14 +174,21 @@ def one_f_one_b_schedule(p: int, m: int, rank: int) -> list[Action]:
     return ops
 
 
-def interleaved_schedule(p: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]]:
-    """Interleaved 1F1B (Narayanan et al., 2021): rank r holds v chunks, virtual stages r, r+p, ...; ops are (kind, mb, chunk).
+def interleaved_schedule(p: int, m: int, v: int, rank: int) -> list[ChunkAction]:
+    """Interleaved 1F1B (Narayanan et al., 2021): this rank's ("F"/"B", micro-batch, chunk) actions.
 
-    Micro-batches go through the chunks in groups of p; m must be a multiple of p.
+    Rank r holds v chunks; its chunk c is virtual stage c*p + r. Forwards visit (micro-batch, chunk)
+    in groups of p micro-batches: group g runs chunk 0 of micro-batches gp..gp+p-1, then chunk 1 of
+    the same ones, and so on; backwards follow the same order with the chunks reversed. Warm-up:
+    2(p-1-r) + (v-1)p forwards (all of them if fewer), then one F and one B in turn, then the rest of
+    the Bs. ValueError unless v >= 1 and m is a multiple of p (the groups of p need whole groups).
     """
     _check_pmr(p, m, rank)
-    if v < 1 or m % p:
-        raise ValueError(f"interleaving needs v >= 1 and m a multiple of p, got p={p}, m={m}, v={v}")
+    if v < 1:
+        raise ValueError(f"interleaving needs v >= 1 chunks per rank, got v={v}")
+    if m % p:
+        raise ValueError(f"the interleaved schedule sends micro-batches through the chunks in groups of p={p}: "
+                         f"m must be a multiple of p, got m={m}")
     total = m * v
 
     def fwd(k: int) -> tuple[int, int]:
@@ -182,11 +200,67 @@ def interleaved_schedule(p: int, m: int, v: int, rank: int) -> list[tuple[str, i
         return mb, v - 1 - chunk
 
     warmup = min(total, (p - rank - 1) * 2 + (v - 1) * p) if v > 1 else min(total, p - rank - 1)
-    ops: list[tuple[str, int, int]] = [("F", *fwd(k)) for k in range(warmup)]
+    ops: list[ChunkAction] = [("F", *fwd(k)) for k in range(warmup)]
     for k in range(total - warmup):
         ops += [("F", *fwd(warmup + k)), ("B", *bwd(k))]
     ops += [("B", *bwd(k)) for k in range(total - warmup, total)]
     return ops
+
+
+def zero_bubble_schedules(p: int, m: int, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> list[list[Action]]:
+    """A ZB-H1-like schedule (Qi et al., 2023) for all p ranks: ("F", mb), ("B", mb) and ("W", mb) actions per rank.
+
+    The backward is split: B computes the input's gradient (what the previous stage waits for), W
+    the weights' gradients (which nobody waits for). Each rank keeps 1F1B's order of F and B; a
+    W goes where the rank would otherwise idle (its next F or B is not ready yet), or when
+    starting another F would hold more than 1F1B's p - rank micro-batches' activations; the rest
+    follow at the end. Placed by playing the ranks on the ideal machine of ``simulate``.
+    """
+    orders = [one_f_one_b_schedule(p, m, r) for r in range(p)]
+    out: list[list[Action]] = [[] for _ in range(p)]
+    end: dict[tuple[str, int, int], float] = {}
+    pos, free, live = [0] * p, [0.0] * p, [0] * p
+    owed: list[list[int]] = [[] for _ in range(p)]  # micro-batches whose B ran and W has not, per rank
+
+    def ready(r: int, kind: str, mb: int) -> float | None:
+        """When the input of rank r's next F or B exists (None: not placed yet)."""
+        if kind == "F":
+            return 0.0 if r == 0 else end.get(("F", mb, r - 1))
+        return end.get(("B", mb, r + 1) if r < p - 1 else ("F", mb, r))
+
+    for _ in range(3 * p * m):
+        best: tuple[float, int, str] | None = None
+        for r in range(p):
+            nxt = orders[r][pos[r]] if pos[r] < len(orders[r]) else None
+            if nxt is None and not owed[r]:
+                continue
+            capped = nxt is not None and nxt[0] == "F" and live[r] >= p
+            at = None if nxt is None or capped else ready(r, *nxt)
+            if at is not None and at <= free[r]:
+                cand = (free[r], r, "next")
+            elif owed[r]:
+                cand = (free[r], r, "W")
+            elif at is not None:
+                cand = (at, r, "next")
+            else:
+                continue  # waits for an op of another rank that is not placed yet
+            best = cand if best is None or cand < best else best
+        assert best is not None, "no rank can move: the 1F1B orders deadlock"
+        start, r, what = best
+        if what == "W":
+            op: Action = ("W", owed[r].pop(0))
+            live[r] -= 1
+        else:
+            op = orders[r][pos[r]]
+            pos[r] += 1
+            if op[0] == "F":
+                live[r] += 1
+            else:
+                owed[r].append(op[1])
+        free[r] = start + {"F": t_f, "B": t_b, "W": t_w}[op[0]]
+        end[(op[0], op[1], r)] = free[r]
+        out[r].append(op)
+    return out
 
 
 def _check_pmr(p: int, m: int, rank: int) -> None:
@@ -201,10 +275,11 @@ SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
 
 
 def in_flight(schedule: Sequence[Sequence[Any]]) -> int:
-    """The largest number of micro-batches whose forward has run and backward has not, along one rank's schedule."""
+    """The largest number of micro-batches whose forward has run and backward (W, if split) has not, along one rank's schedule."""
+    split = any(op[0] == "W" for op in schedule)  # with a split backward, W frees what F saved
     live, peak = 0, 0
     for op in schedule:
-        live += 1 if op[0] == "F" else -1
+        live += 1 if op[0] == "F" else -1 if op[0] == ("W" if split else "B") else 0
         peak = max(peak, live)
     return peak
 
@@ -269,14 +344,14 @@ def connect_neighbours() -> None:
     first batches must mirror each other. A pipeline's first batches do not (the first stage sends
     and receives in one batch where the second only receives), which NCCL reports as "Message
     truncated" and then hangs. ``exchange`` calls this once per process group under NCCL first.
+    Neighbours on a ring: the last rank and rank 0 too, which interleaved schedules connect.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = rank_device()
     ops = []
-    for peer in (rank - 1, rank + 1):
-        if 0 <= peer < world:
-            ops += [dist.P2POp(dist.isend, torch.zeros(1, device=dev), peer),
-                    dist.P2POp(dist.irecv, torch.empty(1, device=dev), peer)]
+    for peer in sorted({(rank - 1) % world, (rank + 1) % world} - {rank}):
+        ops += [dist.P2POp(dist.isend, torch.zeros(1, device=dev), peer),
+                dist.P2POp(dist.irecv, torch.empty(1, device=dev), peer)]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -290,16 +365,17 @@ def _connect_once() -> None:
         connect_neighbours()
 
 
-def exchange(send: tuple[torch.Tensor, int] | None = None, recv: tuple[torch.Tensor, int] | None = None) -> list[Any]:
-    """Post one send and/or one receive together (``dist.batch_isend_irecv``); wait for the receive only.
+def exchange(send: tuple[torch.Tensor, int] | list[tuple[torch.Tensor, int]] | None = None,
+             recv: tuple[torch.Tensor, int] | None = None) -> list[Any]:
+    """Post sends and/or one receive together (``dist.batch_isend_irecv``); wait for the receive only.
 
-    ``send`` = (tensor, peer), ``recv`` = (buffer, peer). Returns the send's work handle(s):
-    wait for them before the step ends. Posting a send together with the next receive is what
-    keeps 1F1B free of deadlocks with NCCL, whose sends may wait for the matching receive.
+    ``send`` = (tensor, peer), or a list of them; ``recv`` = (buffer, peer). Returns the sends'
+    work handles: wait for them before the step ends. Posting a send together with the next
+    receive is what keeps 1F1B free of deadlocks with NCCL, whose sends may wait for the matching
+    receive.
     """
-    ops = []
-    if send is not None:
-        ops.append(dist.P2POp(dist.isend, send[0].contiguous(), send[1]))
+    sends = send if isinstance(send, list) else [] if send is None else [send]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
     if recv is not None:
         ops.append(dist.P2POp(dist.irecv, recv[0], recv[1]))
     if not ops:
@@ -366,6 +442,65 @@ def run_schedule(
     return total
 
 
+def run_interleaved(
+    parts: Sequence[nn.Module], schedule: Sequence[ChunkAction], batch: Sequence[torch.Tensor], m: int, loss_fn: LossFn
+) -> torch.Tensor | None:
+    """Execute this rank's interleaved ``schedule`` of (kind, mb, chunk) ops; same contract as ``run_schedule``.
+
+    ``parts``: the model's p*v virtual stages in order, the same list on every rank; this rank runs
+    chunk c as ``parts[c*p + rank]``. Activations flow from virtual stage s to s+1, on rank
+    (rank+1) % p: the last rank's chunk c feeds rank 0's chunk c+1 (the wrap-around). Every
+    activation has the shape of a micro-batch of x. Outgoing messages wait in ``pending`` until
+    the next op that receives, and go out in one batch with its receive (``exchange``): no send is
+    ever posted on its own ahead of a receive, which could meet a peer that posted the two the
+    other way round.
+    """
+    rank, p = dist.get_rank(), dist.get_world_size()
+    if len(parts) % p:
+        raise ValueError(f"{len(parts)} virtual stages cannot be dealt to {p} ranks: need a multiple of p")
+    last = len(parts) - 1
+    prev, nxt = (rank - 1) % p, (rank + 1) % p
+    mbs = split_micro_batches(batch, m)
+    inputs: dict[tuple[int, int], torch.Tensor] = {}
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    pending: list[tuple[torch.Tensor, int]] = []
+    sends: list[Any] = []
+    total = None
+    for kind, i, chunk in schedule:
+        s = chunk * p + rank  # the virtual stage this op runs
+        x_mb, y_mb = mbs[i]
+        if kind == "F":
+            if s == 0:
+                x = x_mb
+            else:
+                x = torch.empty_like(x_mb)
+                sends += exchange(pending, (x, prev))
+                pending = []
+                x.requires_grad_(True)
+            out = parts[s](x)
+            if s == last:
+                out = loss_fn(out, y_mb) / m
+                total = out.detach() if total is None else total + out.detach()
+            else:
+                pending.append((out.detach(), nxt))
+            inputs[i, chunk], outputs[i, chunk] = x, out
+        else:
+            x, out = inputs.pop((i, chunk)), outputs.pop((i, chunk))
+            if s == last:
+                out.backward()
+            else:
+                grad = torch.empty_like(out)
+                sends += exchange(pending, (grad, nxt))
+                pending = []
+                torch.autograd.backward(out, grad)
+            if s > 0:
+                pending.append((_grad(x), prev))
+    sends += exchange(pending, None)
+    for work in sends:
+        work.wait()
+    return total
+
+
 # ---- the cost model: bubbles ---------------------------------------------------------------------
 
 
@@ -389,12 +524,15 @@ def measured_bubble(timeline: Timeline, lanes: Sequence[str] | None = None, kind
     return [work.idle_fraction(lane) for lane in (timeline.lanes() if lanes is None else lanes)]
 
 
-def simulate(schedules: Sequence[Sequence[Sequence[Any]]], t_f: float = 1.0, t_b: float = 2.0, *, v: int = 1) -> Timeline:
+def simulate(schedules: Sequence[Sequence[Sequence[Any]]], t_f: float = 1.0, t_b: float = 2.0, *, v: int = 1,
+             t_w: float = 1.0) -> Timeline:
     """Run per-rank schedules on an ideal machine (F costs t_f/v, B costs t_b/v, messages are free); lane "stage r" per rank.
 
     An op starts when its rank is free and its input exists: F of virtual stage s after F of
     s-1, B of s after B of s+1 (the last stage's B after its own F). Ops are (kind, mb) or
-    (kind, mb, chunk); rank r's chunk c is virtual stage c*p + r. ValueError on a deadlock.
+    (kind, mb, chunk); rank r's chunk c is virtual stage c*p + r. A split backward (zero bubble)
+    has B compute input gradients only and a W (weight gradients, cost t_w/v) after its B.
+    ValueError on a deadlock.
     """
     p = len(schedules)
     n_virtual = p * v
@@ -413,6 +551,8 @@ def simulate(schedules: Sequence[Sequence[Sequence[Any]]], t_f: float = 1.0, t_b
                 s = chunk * p + r
                 if kind == "F":
                     dep = ("F", mb, s - 1) if s > 0 else None
+                elif kind == "W":
+                    dep = ("B", mb, s)
                 else:
                     dep = ("B", mb, s + 1) if s < n_virtual - 1 else ("F", mb, s)
                 if dep is not None and dep not in done:
@@ -420,7 +560,7 @@ def simulate(schedules: Sequence[Sequence[Sequence[Any]]], t_f: float = 1.0, t_b
                 if kind == "B" and ("F", mb, s) not in done:
                     break
                 start = max(free[r], done[dep] if dep is not None else 0.0)
-                end = start + (t_f if kind == "F" else t_b) / v
+                end = start + {"F": t_f, "B": t_b, "W": t_w}[kind] / v
                 done[(kind, mb, s)] = end
                 free[r] = end
                 label = str(mb) if len(op) <= 2 else f"{mb}.{chunk}"
@@ -432,6 +572,36 @@ def simulate(schedules: Sequence[Sequence[Sequence[Any]]], t_f: float = 1.0, t_b
             stuck = {r: tuple(schedules[r][pos[r]]) for r in range(p) if pos[r] < len(schedules[r])}
             raise ValueError(f"the schedules deadlock: every rank waits on an input that never comes; next ops {stuck}")
     return timeline
+
+
+# ---- the cost model: bytes on the wire ----------------------------------------------------------
+
+
+def boundary_bytes(b: int, s: int, h: int, dtype_bytes: int = 2) -> int:
+    """Bytes one pipeline boundary carries per micro-batch: the (b, s, h) activation forward plus its gradient backward."""
+    return 2 * b * s * h * dtype_bytes
+
+
+def ring_all_reduce_bytes(n_bytes: float, world: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``n_bytes``: 2 (world - 1) / world of them (chapter 11)."""
+    return 2 * (world - 1) / world * n_bytes
+
+
+def parallel_traffic(b: int, s: int, h: int, n_layers: int, n_params: float, m: int, *, tp: int = 1, pp: int = 1,
+                     dp: int = 1, dtype_bytes: int = 2) -> dict[str, float]:
+    """Bytes one GPU sends per training step for each kind of parallelism of a transformer, Megatron-LM style.
+
+    pp: per micro-batch, its stage's output forward and the input's gradient backward
+    (``boundary_bytes``); tp: per micro-batch and layer, 4 ring all-reduces of the (b, s, h)
+    activation (2 in the forward, 2 in the backward); dp: once per step, a ring all-reduce of the
+    gradients of the GPU's n_params / (tp pp) parameters. Gradients travel in ``dtype_bytes`` too.
+    """
+    act = b * s * h * dtype_bytes
+    return {
+        "pp": 0.0 if pp == 1 else float(m * boundary_bytes(b, s, h, dtype_bytes)),
+        "tp": m * (n_layers / pp) * 4 * ring_all_reduce_bytes(act, tp),
+        "dp": ring_all_reduce_bytes(n_params / (tp * pp) * dtype_bytes, dp),
+    }
 
 
 # ---- the single-process step, and the same pipeline with PyTorch -------------------------------

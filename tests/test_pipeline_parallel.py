@@ -150,10 +150,10 @@ def test_torch_pipelining_agrees():
 
 def test_torchrun_entry():
     run = torchrun.run_entry("benchmarks.checks.pipeline_parallel", 2, "--small")
-    assert run.checks == ["naive", "gpipe", "1f1b"], run.stdout
+    assert run.checks == ["naive", "gpipe", "1f1b", "interleaved"], run.stdout
     result = run.result
     assert result["world_size"] == 2
-    for name in ("naive", "gpipe", "1f1b"):
+    for name in ("naive", "gpipe", "1f1b", "interleaved"):
         assert len(result[name]["bubble_measured"]) == 2 and len(result[name]["peak_activation_bytes"]) == 2
     assert result["1f1b"]["peak_activation_bytes"][0] < result["gpipe"]["peak_activation_bytes"][0]
 
@@ -167,3 +167,134 @@ def _neighbours_in_rank() -> bool:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_connect_neighbours_completes(world):
     assert launch(_neighbours_in_rank, world, timeout=300) == [True] * world
+
+
+# ---- interleaved 1F1B, the order of point-to-point posts, zero bubble, bytes ----------------------
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_interleaved_schedule_properties(p, v):
+    from course_lib.exercises.pipeline_parallel import check_interleaved_schedule
+    for m in (p, 2 * p, 3 * p):
+        scheds = [pp.interleaved_schedule(p, m, v, r) for r in range(p)]
+        check_interleaved_schedule(scheds, m, v)
+        timeline = pp.simulate(scheds, v=v)
+        assert pp.measured_bubble(timeline) == pytest.approx([pp.bubble_fraction(p, m, v)] * p)
+        if v == 1:
+            assert [op[:2] for op in scheds[0]] == pp.one_f_one_b_schedule(p, m, 0)
+
+
+def test_interleaved_schedule_errors():
+    with pytest.raises(ValueError, match="multiple"):
+        pp.interleaved_schedule(3, 4, 2, 0)
+    for args in ((2, 2, 0, 0), (2, 2, 2, 2), (0, 2, 2, 0)):
+        with pytest.raises(ValueError):
+            pp.interleaved_schedule(*args)
+
+
+def test_check_interleaved_schedule_catches_errors():
+    from course_lib.exercises.pipeline_parallel import check_interleaved_schedule
+    good = [pp.interleaved_schedule(2, 4, 2, r) for r in range(2)]
+    with pytest.raises(AssertionError, match="actions"):
+        check_interleaved_schedule([good[0][:-1], good[1]], 4, 2)
+    with pytest.raises(AssertionError, match="deadlock"):
+        check_interleaved_schedule([[(k, mb, 1 - c) for k, mb, c in good[0]], good[1]], 4, 2)
+
+
+def _op(kind, peer, n=8, batch=None, together=0):
+    from course_lib.exercises.pipeline_parallel import P2POp
+    return P2POp(kind, peer, n, batch, together)
+
+
+def test_check_p2p_order():
+    from course_lib.exercises.pipeline_parallel import check_p2p_order
+    batched = [[_op("send", 1, batch=0), _op("recv", 1, batch=0)], [_op("send", 0, batch=0), _op("recv", 0, batch=0)]]
+    check_p2p_order(batched)
+    mirrored = [[_op("send", 1), _op("recv", 1)], [_op("recv", 0), _op("send", 0)]]
+    check_p2p_order(mirrored)
+    with pytest.raises(AssertionError, match="NCCL"):
+        check_p2p_order([[_op("send", 1), _op("recv", 1)], [_op("send", 0), _op("recv", 0)]])
+    with pytest.raises(AssertionError, match="receives"):
+        check_p2p_order([[_op("send", 1), _op("send", 1)], [_op("recv", 0)]])
+    with pytest.raises(AssertionError, match="bytes"):
+        check_p2p_order([[_op("send", 1, 8)], [_op("recv", 0, 4)]])
+    # posted in separate runs (a wait between them): each side blocks on its own, in an order that matches
+    check_p2p_order([[_op("send", 1, together=0), _op("recv", 1, together=1)],
+                     [_op("recv", 0, together=0), _op("send", 0, together=1)]])
+
+
+def _interleaved_in_rank(cases):
+    from course_lib.exercises.pipeline_parallel import check_p2p_order, recording_p2p, virtual_stages
+    rank, p = dist.get_rank(), dist.get_world_size()
+    errors = []
+    for m, v in cases:
+        model = pp.make_model(p * v, 4, seed=m + v, dtype=torch.float64)
+        gen = torch.Generator().manual_seed(1)
+        batch = tuple(torch.randn(2 * m, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+        parts = virtual_stages(model, p, v, rank)
+        with recording_p2p() as posted:
+            loss = pp.run_interleaved(parts, pp.interleaved_schedule(p, m, v, rank), batch, m, torch.nn.functional.mse_loss)
+        everyone: list = [None] * p
+        dist.all_gather_object(everyone, posted)
+        check_p2p_order(everyone)
+        ref_loss, ref_grads = pp.reference_step(model, batch)
+        got = [q.grad for c in range(v) for q in parts[c * p + rank].layers.parameters()]
+        want = [ref_grads[2 * (c * p + rank) + k] for c in range(v) for k in range(2)]
+        errors.append(max_abs_error(got, want))
+        if rank == p - 1:
+            errors.append(max_abs_error(loss, ref_loss))
+        assert parts[rank].meter.peak > 0
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_run_interleaved_matches_reference(world):
+    cases = [(m, v) for v in (1, 2, 3) for m in (world, 2 * world)]
+    res = launch(_interleaved_in_rank, world, cases, timeout=300)
+    assert max(max(r) for r in res) < 1e-12
+
+
+def _separate_posts_in_rank():
+    from course_lib.exercises.pipeline_parallel import recording_p2p
+    peer = 1 - dist.get_rank()
+    with recording_p2p() as posted:
+        work = dist.isend(torch.ones(2), peer)
+        dist.irecv(torch.empty(2), peer).wait()
+        work.wait()
+    return posted
+
+
+def test_recording_p2p_sees_separate_posts():
+    from course_lib.exercises.pipeline_parallel import check_p2p_order
+    posted = launch(_separate_posts_in_rank, 2, timeout=300)
+    assert [[(op.kind, op.batch) for op in ops] for ops in posted] == [[("send", None), ("recv", None)]] * 2
+    assert posted[0][0].together == posted[0][1].together
+    with pytest.raises(AssertionError, match="NCCL"):
+        check_p2p_order(posted)
+
+
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 4), (3, 6), (4, 8), (4, 3)])
+def test_zero_bubble_schedules(p, m):
+    scheds = pp.zero_bubble_schedules(p, m)
+    for r, s in enumerate(scheds):
+        for kind in ("F", "B", "W"):
+            assert sorted(mb for k, mb in s if k == kind) == list(range(m))
+        assert all(s.index(("B", mb)) < s.index(("W", mb)) for mb in range(m))
+        assert [op for op in s if op[0] != "W"] == pp.one_f_one_b_schedule(p, m, r)
+        assert pp.in_flight(s) <= p
+    timeline = pp.simulate(scheds, 1.0, 1.0, t_w=1.0)
+    ofob = pp.simulate([pp.one_f_one_b_schedule(p, m, r) for r in range(p)], 1.0, 2.0)
+    assert timeline.end - timeline.start <= ofob.end - ofob.start
+    if m >= p:  # ZB-H1's bubble: (p - 1)(t_f + t_B - t_W) instead of (p - 1)(t_f + t_b)
+        assert timeline.end - timeline.start == pytest.approx(3 * m + (p - 1))
+
+
+def test_traffic_model():
+    assert pp.boundary_bytes(2, 3, 4, 2) == 96
+    assert pp.ring_all_reduce_bytes(100, 4) == pytest.approx(150)
+    t = pp.parallel_traffic(1, 8, 16, 4, 1000, m=2, tp=2, pp=2, dp=4, dtype_bytes=2)
+    assert t["pp"] == 2 * pp.boundary_bytes(1, 8, 16, 2)
+    assert t["tp"] == pytest.approx(2 * 2 * 4 * pp.ring_all_reduce_bytes(8 * 16 * 2, 2))
+    assert t["dp"] == pytest.approx(pp.ring_all_reduce_bytes(1000 / 4 * 2, 4))
+    assert pp.parallel_traffic(1, 8, 16, 4, 1000, m=2)["pp"] == 0.0

@@ -6,16 +6,21 @@
 - ``run_pipeline``: inside a rank, build this rank's stage of a model and run one timed step of a
   schedule with an executor (``pp.run_schedule``, ``pp.gpipe_step`` or a student's); returns
   what the stage recorded;
+- ``virtual_stages`` and ``run_interleaved_pipeline``: the same for interleaved 1F1B, the p*v
+  virtual stages of a rank sharing one lane and one activation meter;
 - ``stage_reference``: the single-process loss and the gradients one stage must end with;
-- ``check_schedule``: AssertionError, saying which property fails, unless per-rank schedules form
-  a valid pipeline step.
+- ``check_schedule`` and ``check_interleaved_schedule``: AssertionError, saying which property
+  fails, unless per-rank schedules form a valid pipeline step;
+- ``recording_p2p`` and ``check_p2p_order``: the point-to-point operations each rank posted, and
+  the check that their order would also run under NCCL (gloo lets through orders NCCL hangs on).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -24,10 +29,12 @@ from torch import nn
 
 from course_lib import pipeline_parallel as pp
 from course_lib.accumulation_checkpointing import LossFn
+from course_lib.support.comm import Call, record_collectives
 from course_lib.support.dist import rank_device
 from course_lib.support.timeline import Timeline
 
-__all__ = ["SavedActivationMeter", "Stage", "check_schedule", "run_pipeline", "stage_reference"]
+__all__ = ["P2POp", "SavedActivationMeter", "Stage", "check_interleaved_schedule", "check_p2p_order", "check_schedule",
+           "recording_p2p", "run_interleaved_pipeline", "run_pipeline", "stage_reference", "virtual_stages"]
 
 
 # ---- what a stage records -------------------------------------------------------------------------
@@ -145,7 +152,7 @@ class _BackwardEnd(torch.autograd.Function):
         _settle(grad)  # kernels run asynchronously: the span ends when the stage's work does
         start = stage._b_start.pop(ctx.mb, None)
         if start is not None:
-            stage.timeline.add(stage.lane, "B", ctx.mb, start, Timeline.now())
+            stage.timeline.add(stage.lane, "B", stage.label(ctx.mb), start, Timeline.now())
         return (grad if ctx.x_needs_grad else None), None, None, None
 
 
@@ -163,24 +170,30 @@ class Stage(nn.Module):
     """
 
     def __init__(self, layers: nn.Module, *, forward_delay: float = 0.0, backward_delay: float = 0.0,
-                 lane: str | None = None) -> None:
+                 lane: str | None = None, chunk: int | None = None, timeline: Timeline | None = None,
+                 meter: SavedActivationMeter | None = None) -> None:
         super().__init__()
         self.layers = layers
         self.lane = lane if lane is not None else f"stage {dist.get_rank() if dist.is_initialized() else 0}"
+        self.chunk = chunk
         self.forward_delay = forward_delay
         self.backward_delay = backward_delay
-        self.timeline = Timeline()
-        self.meter = SavedActivationMeter(list(layers.parameters()))
+        self.timeline = timeline if timeline is not None else Timeline()
+        self.meter = meter if meter is not None else SavedActivationMeter(list(layers.parameters()))
         self._anchor = torch.zeros((), requires_grad=True)  # gives _BackwardEnd a differentiable input on stage 0
         self._b_start: dict[int, float] = {}
         self._mb = 0
 
     def new_step(self) -> None:
-        """Restart the micro-batch count and forget the recorded spans and memory samples."""
+        """Restart the micro-batch count and forget the recorded spans and memory samples (of a shared timeline too)."""
         self._mb = 0
         self._b_start.clear()
-        self.timeline = Timeline()
+        self.timeline.spans.clear()
         self.meter.reset()
+
+    def label(self, mb: int) -> str:
+        """The label of micro-batch ``mb``'s spans: "mb", or "mb.chunk" for a chunk of an interleaved stage."""
+        return str(mb) if self.chunk is None else f"{mb}.{self.chunk}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mb = self._mb
@@ -194,7 +207,7 @@ class Stage(nn.Module):
         if self.forward_delay > 0:
             time.sleep(self.forward_delay)
         y = _BackwardStart.apply(y, self, mb)
-        self.timeline.add(self.lane, "F", mb, start, Timeline.now())
+        self.timeline.add(self.lane, "F", self.label(mb), start, Timeline.now())
         return y
 
 
@@ -256,6 +269,69 @@ def run_pipeline(
     }
 
 
+def virtual_stages(model: nn.Sequential, p: int, v: int, rank: int, *, timeline: Timeline | None = None,
+                   meter: SavedActivationMeter | None = None) -> list[Stage]:
+    """The p*v virtual stages of ``model`` (equal layer counts), each a ``Stage`` on lane "stage <rank>".
+
+    Every rank builds all of them (an interleaved executor picks its own: chunk c is
+    ``parts[c*p + rank]``); all share one timeline and one activation meter, so the rank's
+    spans and its live activation bytes are counted together whichever chunk runs.
+    """
+    bounds = pp.balanced_partition([1.0] * len(model), p * v)
+    layers = [pp.stage_layers(model, bounds, s) for s in range(p * v)]
+    timeline = timeline if timeline is not None else Timeline()
+    if meter is None:
+        meter = SavedActivationMeter([q for part in layers for q in part.parameters()])
+    return [Stage(part, lane=f"stage {rank}", chunk=s // p, timeline=timeline, meter=meter) for s, part in enumerate(layers)]
+
+
+def run_interleaved_pipeline(
+    model: nn.Sequential,
+    batch: Sequence[torch.Tensor],
+    m: int,
+    v: int,
+    *,
+    schedule: Callable[[int, int, int, int], Sequence[pp.ChunkAction]] = pp.interleaved_schedule,
+    executor: Callable[..., Any] = pp.run_interleaved,
+    forward_delay: float = 0.0,
+    backward_delay: float = 0.0,
+    loss_fn: LossFn = F.mse_loss,
+    warmup: bool = True,
+) -> dict[str, Any]:
+    """In a rank: one timed interleaved step of ``model`` cut into p*v virtual stages; what ``run_pipeline`` returns.
+
+    ``executor(parts, actions, batch, m, loss_fn)`` runs ``schedule(p, m, v, rank)``. Each chunk
+    sleeps ``forward_delay / v`` and ``backward_delay / v`` per micro-batch (a chunk is 1/v of a
+    stage). grads: the parameters of this rank's chunks, chunk by chunk.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = rank_device()
+    parts = virtual_stages(model.to(dev), world, v, rank)
+    mine = [parts[c * world + rank] for c in range(v)]
+    actions = list(schedule(world, m, v, rank))
+    batch = tuple(t.to(dev) for t in batch)
+    if warmup:
+        executor(parts, actions, batch, m, loss_fn)
+        for part in parts:
+            part.zero_grad(set_to_none=True)
+            part.new_step()
+    for part in parts:
+        part.forward_delay, part.backward_delay = forward_delay / v, backward_delay / v
+    dist.barrier()
+    loss = executor(parts, actions, batch, m, loss_fn)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    params = [q for part in mine for q in part.layers.parameters()]
+    return {
+        "loss": None if loss is None else loss.detach(),
+        "grads": [q.grad.detach().clone() if q.grad is not None else torch.zeros_like(q) for q in params],
+        "timeline": mine[0].timeline,
+        "memory": list(mine[0].meter.samples),
+        "peak_bytes": mine[0].meter.peak,
+        "actions": actions,
+    }
+
+
 # ---- checks ---------------------------------------------------------------------------------------
 
 
@@ -301,3 +377,151 @@ def check_schedule(schedules: Sequence[Sequence[pp.Action]], m: int) -> None:
         pp.simulate(schedules)
     except ValueError as err:
         raise AssertionError(str(err)) from None
+
+
+def check_interleaved_schedule(schedules: Sequence[Sequence[Sequence[Any]]], m: int, v: int) -> None:
+    """AssertionError (saying what is wrong) unless per-rank (kind, mb, chunk) schedules form a valid interleaved step.
+
+    Every rank runs F and B of each (micro-batch, chunk) exactly once, F before B; the ranks can run
+    them without deadlock (``pp.simulate``, chunk c of rank r being virtual stage c*p + r).
+    """
+    want = sorted((mb, c) for mb in range(m) for c in range(v))
+    for r, sched in enumerate(schedules):
+        actions = [tuple(a) for a in sched]
+        bad = [a for a in actions if len(a) != 3 or a[0] not in ("F", "B") or not all(isinstance(x, int) for x in a[1:])]
+        if bad:
+            raise AssertionError(f"rank {r}: actions must be ('F' or 'B', mb, chunk) with int mb and chunk, got {bad[0]!r}")
+        if len(actions) != 2 * m * v:
+            raise AssertionError(f"rank {r}: {len(actions)} actions, expected 2*m*v = {2 * m * v} (an F and a B per "
+                                 "micro-batch and chunk)")
+        for kind in ("F", "B"):
+            got = sorted((mb, c) for k, mb, c in actions if k == kind)
+            if got != want:
+                missing = sorted(set(want) - set(got))
+                raise AssertionError(f"rank {r}: the {kind} actions do not cover each (micro-batch, chunk) of "
+                                     f"0..{m - 1} x 0..{v - 1} once" + (f"; missing {missing[:3]}" if missing else ""))
+        seen: set[tuple[int, int]] = set()
+        for k, mb, c in actions:
+            if k == "F":
+                seen.add((mb, c))
+            elif (mb, c) not in seen:
+                raise AssertionError(f"rank {r}: ('B', {mb}, {c}) comes before ('F', {mb}, {c})")
+    try:
+        pp.simulate(schedules, v=v)
+    except ValueError as err:
+        raise AssertionError(str(err)) from None
+
+
+# ---- the order of point-to-point messages --------------------------------------------------------
+
+
+class P2POp(NamedTuple):
+    """One point-to-point operation a rank posted: "send" or "recv", the peer, the bytes of its tensor, how it was posted.
+
+    ``batch``: the number of the ``batch_isend_irecv`` that posted it (None for a plain send, recv,
+    isend or irecv); ``together``: the number of the run of posts it belongs to, made with no
+    ``wait()`` and no blocking call between them.
+    """
+
+    kind: str
+    peer: int
+    bytes: int
+    batch: int | None
+    together: int
+
+
+@contextlib.contextmanager
+def recording_p2p() -> Iterator[list[P2POp]]:
+    """Inside the block, record this rank's point-to-point operations in posting order; the list is filled at exit."""
+    ops: list[P2POp] = []
+    batches: list[tuple[int, int]] = []  # the recorded calls each batch_isend_irecv made: [first, end)
+    with record_collectives() as log:
+        batched = dist.batch_isend_irecv
+
+        def grouped(p2p_op_list: Any) -> Any:
+            first = log.count()
+            try:
+                return batched(p2p_op_list)
+            finally:
+                batches.append((first, log.count()))
+
+        dist.batch_isend_irecv = grouped
+        try:
+            yield ops
+        finally:
+            dist.batch_isend_irecv = batched
+            batch_of = {i: b for b, (first, end) in enumerate(batches) for i in range(first, end)}
+            together = 0
+            run: list[Call] = []  # the calls of the current run of posts
+            for i, call in enumerate(log.calls):
+                if call.op not in ("send", "recv", "isend", "irecv") or call.peer is None:
+                    continue
+                if any(not c.async_op or (c.waited is not None and c.waited <= call.start) for c in run):
+                    together, run = together + 1, []
+                run.append(call)
+                ops.append(P2POp("send" if call.op in ("send", "isend") else "recv", int(call.peer), call.bytes,
+                                 batch_of.get(i), together))
+
+
+def _ordinal(k: int) -> str:
+    return f"{k + 1}{'th' if 10 <= (k + 1) % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get((k + 1) % 10, 'th')}"
+
+
+def check_p2p_order(ops_by_rank: Sequence[Sequence[P2POp]]) -> None:
+    """AssertionError unless the ranks' point-to-point operations also match under NCCL, which gloo may not show.
+
+    1. For every pair of ranks, the k-th send from a to b meets the k-th receive at b from a, and
+       both have the same size (messages between two ranks are matched in order; NCCL has no tags).
+    2. A send and a receive that a rank posts together with one peer (no wait between them) are
+       posted in one ``batch_isend_irecv``, or in an order that mirrors the peer's: a rank that
+       posts its send first meets a peer that posts the matching receive first. Otherwise each
+       side's first operation waits for one the other side has queued behind its own, forever
+       under NCCL (its operations run in posting order, and a send may wait for its receive);
+       gloo's isend does not wait, and lets it pass.
+    """
+    key_of: dict[tuple[int, int], tuple[str, int, int, int]] = {}  # (rank, index) -> (kind, from, to, k)
+    at: dict[tuple[str, int, int, int], tuple[int, int]] = {}  # (kind, from, to, k) -> (rank, index)
+    counts: dict[tuple[str, int, int], int] = {}
+    for r, ops in enumerate(ops_by_rank):
+        for i, op in enumerate(ops):
+            src, dst = (r, op.peer) if op.kind == "send" else (op.peer, r)
+            k = counts.get((op.kind, src, dst), 0)
+            counts[op.kind, src, dst] = k + 1
+            key_of[r, i] = (op.kind, src, dst, k)
+            at[op.kind, src, dst, k] = (r, i)
+    for src, dst in sorted({(a, b) for _, a, b in counts}):
+        n_send, n_recv = counts.get(("send", src, dst), 0), counts.get(("recv", src, dst), 0)
+        if n_send != n_recv:
+            raise AssertionError(f"rank {src} sends {n_send} message(s) to rank {dst}, which receives {n_recv} from it: "
+                                 "every send needs exactly one matching receive")
+        for k in range(n_send):
+            (rs, i_s), (rr, i_r) = at["send", src, dst, k], at["recv", src, dst, k]
+            sent, room = ops_by_rank[rs][i_s].bytes, ops_by_rank[rr][i_r].bytes
+            if sent != room:
+                raise AssertionError(
+                    f"the {_ordinal(k)} message from rank {src} to rank {dst} holds {sent} bytes, but the {_ordinal(k)} "
+                    f"receive of rank {dst} from rank {src} expects {room}: messages between two ranks are matched in "
+                    "posting order (NCCL has no tags), so both sides must post them in the same order")
+
+    def partner(r: int, i: int) -> int:
+        kind, src, dst, k = key_of[r, i]
+        return at["recv" if kind == "send" else "send", src, dst, k][1]
+
+    for a, ops in enumerate(ops_by_rank):
+        for i, u in enumerate(ops):
+            for j in range(i + 1, len(ops)):
+                v = ops[j]
+                if v.together != u.together:
+                    break
+                if v.peer != u.peer or v.kind == u.kind or (u.batch is not None and u.batch == v.batch):
+                    continue
+                b = u.peer
+                ui, vi = partner(a, i), partner(a, j)
+                theirs = ops_by_rank[b]
+                if vi < ui and (theirs[vi].batch is None or theirs[vi].batch != theirs[ui].batch):
+                    raise AssertionError(
+                        f"rank {a} posts a {u.kind} then a {v.kind} with rank {b} as separate operations, and rank {b} "
+                        f"posts their partners the other way round (its {v.kind and theirs[vi].kind} first): under NCCL "
+                        "each side's first operation waits for one the other side has queued behind its own, forever "
+                        "(gloo let it pass). Post a step's send and receive together in one dist.batch_isend_irecv "
+                        "(pp.exchange), or mirror the order on the two sides (even ranks send first, odd ranks receive first)")
