@@ -32,7 +32,8 @@ def _record_everything() -> dict:
         forbidden = ""
     except AssertionError as exc:
         forbidden = str(exc)
-    return {"calls": [(c.op, c.bytes, c.peer) for c in log.calls], "ends": [c.end is not None for c in log.calls],
+    p2p = [(c.shape, c.dtype, c.batch) for c in log.calls if c.peer is not None]
+    return {"calls": [(c.op, c.bytes, c.peer) for c in log.calls], "ends": [c.end is not None for c in log.calls], "p2p": p2p,
             "spans": len(tl.of(f"rank {rank}", "all_reduce")), "restored": restored, "forbidden": forbidden,
             "bytes": log.bytes("all_reduce"), "count": log.count()}
 
@@ -43,6 +44,7 @@ def test_record_collectives_sees_collectives_and_batched_point_to_point() -> Non
         assert r["calls"] == [("all_reduce", 40, None), ("all_reduce", 40, None), ("all_gather", 40, None),
                               ("isend", 24, (rank + 1) % 3), ("irecv", 24, (rank - 1) % 3)]
         assert r["ends"][:3] == [True, True, True] and r["spans"] == 2
+        assert r["p2p"] == [((3,), torch.float64, 0), ((3,), torch.float64, 0)]
         assert r["bytes"] == 80 and r["count"] == 5 and r["restored"]
         assert r["forbidden"] == "dist.all_reduce is not allowed here: use send/recv"
 

@@ -219,6 +219,10 @@ def test_check_p2p_order():
         check_p2p_order([[_op("send", 1), _op("send", 1)], [_op("recv", 0)]])
     with pytest.raises(AssertionError, match="bytes"):
         check_p2p_order([[_op("send", 1, 8)], [_op("recv", 0, 4)]])
+    from course_lib.exercises.pipeline_parallel import P2POp
+    same_bytes = [[P2POp("send", 1, 8, None, 0, (2,), torch.float32)], [P2POp("recv", 0, 8, None, 0, (1,), torch.float64)]]
+    with pytest.raises(AssertionError, match=r"shape \(2,\), torch.float32, 8 bytes.*shape \(1,\), torch.float64"):
+        check_p2p_order(same_bytes)  # as many bytes, but another tensor: NCCL would fill the wrong layout
     # posted in separate runs (a wait between them): each side blocks on its own, in an order that matches
     check_p2p_order([[_op("send", 1, together=0), _op("recv", 1, together=1)],
                      [_op("recv", 0, together=0), _op("send", 0, together=1)]])

@@ -416,7 +416,7 @@ def check_interleaved_schedule(schedules: Sequence[Sequence[Sequence[Any]]], m: 
 
 
 class P2POp(NamedTuple):
-    """One point-to-point operation a rank posted: "send" or "recv", the peer, the bytes of its tensor, how it was posted.
+    """One point-to-point operation a rank posted: "send" or "recv", the peer, its tensor (bytes, shape, dtype), how posted.
 
     ``batch``: the number of the ``batch_isend_irecv`` that posted it (None for a plain send, recv,
     isend or irecv); ``together``: the number of the run of posts it belongs to, made with no
@@ -428,39 +428,34 @@ class P2POp(NamedTuple):
     bytes: int
     batch: int | None
     together: int
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
 
 
 @contextlib.contextmanager
 def recording_p2p() -> Iterator[list[P2POp]]:
     """Inside the block, record this rank's point-to-point operations in posting order; the list is filled at exit."""
     ops: list[P2POp] = []
-    batches: list[tuple[int, int]] = []  # the recorded calls each batch_isend_irecv made: [first, end)
     with record_collectives() as log:
-        batched = dist.batch_isend_irecv
-
-        def grouped(p2p_op_list: Any) -> Any:
-            first = log.count()
-            try:
-                return batched(p2p_op_list)
-            finally:
-                batches.append((first, log.count()))
-
-        dist.batch_isend_irecv = grouped
         try:
             yield ops
         finally:
-            dist.batch_isend_irecv = batched
-            batch_of = {i: b for b, (first, end) in enumerate(batches) for i in range(first, end)}
             together = 0
             run: list[Call] = []  # the calls of the current run of posts
-            for i, call in enumerate(log.calls):
+            for call in log.calls:
                 if call.op not in ("send", "recv", "isend", "irecv") or call.peer is None:
                     continue
                 if any(not c.async_op or (c.waited is not None and c.waited <= call.start) for c in run):
                     together, run = together + 1, []
                 run.append(call)
                 ops.append(P2POp("send" if call.op in ("send", "isend") else "recv", int(call.peer), call.bytes,
-                                 batch_of.get(i), together))
+                                 call.batch, together, call.shape, call.dtype))
+
+
+def _tensor_text(op: P2POp) -> str:
+    shape = "" if op.shape is None else f"shape {tuple(op.shape)}, "
+    dtype = "" if op.dtype is None else f"{op.dtype}, "
+    return f"{shape}{dtype}{op.bytes} bytes"
 
 
 def _ordinal(k: int) -> str:
@@ -496,12 +491,13 @@ def check_p2p_order(ops_by_rank: Sequence[Sequence[P2POp]]) -> None:
                                  "every send needs exactly one matching receive")
         for k in range(n_send):
             (rs, i_s), (rr, i_r) = at["send", src, dst, k], at["recv", src, dst, k]
-            sent, room = ops_by_rank[rs][i_s].bytes, ops_by_rank[rr][i_r].bytes
-            if sent != room:
+            sent, room = ops_by_rank[rs][i_s], ops_by_rank[rr][i_r]
+            if (sent.bytes, sent.shape, sent.dtype) != (room.bytes, room.shape, room.dtype):
                 raise AssertionError(
-                    f"the {_ordinal(k)} message from rank {src} to rank {dst} holds {sent} bytes, but the {_ordinal(k)} "
-                    f"receive of rank {dst} from rank {src} expects {room}: messages between two ranks are matched in "
-                    "posting order (NCCL has no tags), so both sides must post them in the same order")
+                    f"the {_ordinal(k)} message from rank {src} to rank {dst} holds {_tensor_text(sent)}, but the "
+                    f"{_ordinal(k)} receive of rank {dst} from rank {src} expects {_tensor_text(room)}: messages between "
+                    "two ranks are matched in posting order (NCCL has no tags), so both sides must post them in the same "
+                    "order, with tensors of the same shape and dtype")
 
     def partner(r: int, i: int) -> int:
         kind, src, dst, k = key_of[r, i]

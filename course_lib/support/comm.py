@@ -52,7 +52,9 @@ class Call:
     ``batch_isend_irecv``) instead of waiting for completion. ``waited``: when the code first called
     ``wait()`` on that handle (None if it never did, or for a synchronous call). ``contiguous``: every
     tensor handed to the call (inputs and output buffers) was contiguous, which NCCL needs and gloo
-    does not check for every operation.
+    does not check for every operation. For a point-to-point call: ``shape`` and ``dtype`` of its
+    tensor, and ``batch``, the number (in this log, from 0) of the ``batch_isend_irecv`` that posted
+    it (None when posted on its own).
     """
 
     op: str
@@ -63,6 +65,9 @@ class Call:
     async_op: bool = False
     waited: float | None = None
     contiguous: bool = True
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    batch: int | None = None
 
 
 class _RecordedWork:
@@ -135,6 +140,7 @@ class _Recorder:
 
     def __init__(self, log: CommLog, timeline: Timeline | None, lane: str, forbid: Collection[str], reason: str) -> None:
         self.log, self.timeline, self.lane, self.forbid, self.reason = log, timeline, lane, set(forbid), reason
+        self.batches = 0  # batch_isend_irecv calls so far
 
     def _start(self, op: str, n_bytes: int, peer: int | None = None, async_op: bool = False,
                contiguous: bool = True) -> Call:
@@ -177,6 +183,9 @@ class _Recorder:
                 ops = list(args[0] if args else kwargs["p2p_op_list"])
                 calls = [self._start(op.op.__name__, _payload(op.tensor), op.peer, async_op=True,
                                      contiguous=_all_contiguous(op.tensor)) for op in ops]
+                for call, op in zip(calls, ops):
+                    call.shape, call.dtype, call.batch = tuple(op.tensor.shape), op.tensor.dtype, self.batches
+                self.batches += 1
                 works = fn(ops)
                 for call, work in zip(calls, works or [None] * len(calls)):
                     self._finish(call, work)
@@ -185,6 +194,8 @@ class _Recorder:
             peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
             call = self._start(name, _payload(tensor), peer, async_op=name in ("isend", "irecv"),
                                contiguous=_all_contiguous(tensor))
+            if isinstance(tensor, torch.Tensor):
+                call.shape, call.dtype = tuple(tensor.shape), tensor.dtype
             result = fn(*args, **kwargs)
             if name in ("isend", "irecv"):
                 self._finish(call, result)
