@@ -6,20 +6,26 @@ ranks with ``course_lib.support.dist.launch``) and use only point-to-point calls
 - ``broadcast_p2p``, ``scatter_p2p``, ``gather_p2p``, ``reduce_p2p``, ``all_gather_p2p``,
   ``reduce_scatter_p2p``: the collectives built from sends and receives, rooted ones naively;
 - ``chunk_sizes``, ``ring_reduce_scatter``, ``ring_all_gather``, ``ring_all_reduce``: the ring
-  algorithm for any world size and any length (uneven chunks, as ``torch.tensor_split`` makes them).
+  algorithm for any world size and any length (uneven chunks, as ``torch.tensor_split`` makes them);
+- ``rabenseifner_all_reduce``: recursive-halving reduce-scatter then recursive-doubling all-gather,
+  for a power-of-two world size;
+- ``all_to_all_p2p``: every rank sends a different (ragged) chunk to every rank, pairwise exchange;
+- ``two_level_groups``, ``hierarchical_all_reduce``: the node/cluster all-reduce from subgroups
+  (``dist.new_group``) and torch's collectives on them.
 
 Chunks are always taken along dim 0 with ``torch.tensor_split(t, world_size)``: rank ``r`` owns
 chunk ``r``, as in ``dist.reduce_scatter``. Reductions are sums.
 
 The alpha-beta cost model (``allreduce_steps``, ``allreduce_bytes_per_rank``, ``allreduce_cost``,
-``fit_alpha_beta``, ``algorithm_bandwidth``, ``bus_bandwidth``) runs anywhere. ``rank_input`` is a
-rank's fixed random input and ``ping_pong`` the two-rank message that calibrates alpha and beta.
+``hierarchical_allreduce_cost``, ``fit_alpha_beta``, ``algorithm_bandwidth``, ``bus_bandwidth``) runs anywhere.
+``rank_input`` is a rank's fixed random input and ``ping_pong`` the two-rank message that calibrates alpha and beta.
 The test harness is ``course_lib.exercises.collectives``; the torchrun self-check, on GPUs or gloo
 CPU ranks, is ``benchmarks.checks.collectives``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -39,10 +45,15 @@ __all__ = [
     "ring_reduce_scatter",
     "ring_all_gather",
     "ring_all_reduce",
+    "rabenseifner_all_reduce",
+    "all_to_all_p2p",
+    "two_level_groups",
+    "hierarchical_all_reduce",
     "allreduce_steps",
     "allreduce_message_bytes",
     "allreduce_bytes_per_rank",
     "allreduce_cost",
+    "hierarchical_allreduce_cost",
     "fit_alpha_beta",
     "BUS_FACTORS",
     "algorithm_bandwidth",
@@ -51,7 +62,7 @@ __all__ = [
     "ping_pong",
 ]
 
-ALGORITHMS = ("naive", "direct", "ring", "tree")
+ALGORITHMS = ("naive", "direct", "ring", "tree", "rabenseifner")
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,7 +123,7 @@ def broadcast_p2p(t: torch.Tensor, src: int = 0) -> torch.Tensor:
             if dst != src:
                 dist.send(t.contiguous(), dst)
     else:
-        buf = t if t.is_contiguous() else torch.empty_like(t)
+        buf = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
         dist.recv(buf, src)
         if buf is not t:
             t.copy_(buf)
@@ -230,7 +241,7 @@ def ring_reduce_scatter(t: torch.Tensor) -> torch.Tensor:
     under gloo or NCCL. ``t`` is not changed.
     """
     rank, world = _me()
-    acc = [c.clone() for c in torch.tensor_split(t, world)]
+    acc = [c.clone(memory_format=torch.contiguous_format) for c in torch.tensor_split(t, world)]
     right, left = (rank + 1) % world, (rank - 1) % world
     for step in range(world - 1):
         send_idx, recv_idx = (rank - step - 1) % world, (rank - step - 2) % world
@@ -274,6 +285,116 @@ def ring_all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def rabenseifner_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over a power-of-two number of ranks by Rabenseifner's algorithm; write it into ``t`` and return it.
+
+    Reduce-scatter by recursive halving: in round k rank r exchanges with r XOR n/2^(k+1) half of the
+    chunk range it is still summing, keeps the half holding its own chunk and adds the partner's
+    part of it; after log2 n rounds it holds chunk r summed. All-gather by recursive doubling: the
+    same pairs in reverse order swap the ranges they hold, which double each round. 2 log2 n rounds,
+    2 (n - 1) / n of the tensor sent per rank, as in the ring.
+    """
+    rank, world = _me()
+    if world & (world - 1):
+        raise ValueError(f"Rabenseifner's algorithm here needs a power-of-two world size, got {world}")
+    flat = t.reshape(-1).clone()
+    bounds = [0, *np.cumsum(chunk_sizes(flat.numel(), world)).tolist()]  # chunk c is flat[bounds[c]:bounds[c+1]]
+    lo, hi, mask = 0, world, world // 2
+    while mask:  # recursive halving: the range of chunks this rank still sums halves each round
+        partner, mid = rank ^ mask, (lo + hi) // 2
+        keep, give = ((mid, hi), (lo, mid)) if rank & mask else ((lo, mid), (mid, hi))
+        mine = flat[bounds[keep[0]]:bounds[keep[1]]]
+        buf = torch.empty_like(mine)
+        _exchange(flat[bounds[give[0]]:bounds[give[1]]], partner, buf, partner)
+        mine += buf
+        lo, hi, mask = *keep, mask // 2
+    mask = 1
+    while mask < world:  # recursive doubling: swap ranges with the same partners in reverse order
+        partner = rank ^ mask
+        other = (lo - mask, lo) if rank & mask else (hi, hi + mask)
+        _exchange(flat[bounds[lo]:bounds[hi]], partner, flat[bounds[other[0]]:bounds[other[1]]], partner)
+        lo, hi, mask = min(lo, other[0]), max(hi, other[1]), mask * 2
+    t.copy_(flat.reshape(t.shape))
+    return t
+
+
+# --------------------------------------------------------------------------------------------
+# All-to-all: a different chunk from every rank to every rank
+# --------------------------------------------------------------------------------------------
+
+
+def all_to_all_p2p(chunks: Sequence[torch.Tensor], recv_sizes: Sequence[int]) -> list[torch.Tensor]:
+    """The chunk every rank sent to this one, in rank order: ``chunks[j]`` goes to rank j.
+
+    ``recv_sizes[j]`` is the number of rows (dim 0) rank j sends here; the chunks share dtype and
+    trailing shape, and may be empty. Pairwise exchange: in step k (1 .. n-1) rank r sends to
+    r + k and receives from r - k, both posted as one batch, so every pair meets once and no rank
+    waits on a rank that waits on it. ``out[rank]`` is a copy of ``chunks[rank]``.
+    """
+    rank, world = _me()
+    if len(chunks) != world or len(recv_sizes) != world:
+        raise ValueError(f"need one chunk and one receive size per rank ({world}), got {len(chunks)} and {len(recv_sizes)}")
+    mine = chunks[rank]
+    out: list[torch.Tensor] = [mine.clone(memory_format=torch.contiguous_format)] * world
+    for k in range(1, world):
+        to, frm = (rank + k) % world, (rank - k) % world
+        out[frm] = mine.new_empty((recv_sizes[frm], *mine.shape[1:]))
+        _exchange(chunks[to], to, out[frm], frm)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Two-level (node / cluster) all-reduce
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def two_level_groups(world_size: int, ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (node group, cross-node group); every rank creates every group, in the same order, once.
+
+    Node k holds ranks k * ranks_per_node ... (k + 1) * ranks_per_node - 1; the cross-node group of
+    local index i holds the ranks i, i + ranks_per_node, ... ``dist.new_group`` is a collective of
+    the whole world (every rank calls it for every group, even groups it is not in), so the groups
+    are made once per process and kept (``world_size`` is part of the key for that reason).
+    """
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ValueError(f"ranks_per_node must divide the world size {world_size}, got {ranks_per_node}")
+    rank, nodes = dist.get_rank(), world_size // ranks_per_node
+    node_group = cross_group = None
+    for k in range(nodes):
+        group = dist.new_group(list(range(k * ranks_per_node, (k + 1) * ranks_per_node)))
+        if rank // ranks_per_node == k:
+            node_group = group
+    for i in range(ranks_per_node):
+        group = dist.new_group(list(range(i, world_size, ranks_per_node)))
+        if rank % ranks_per_node == i:
+            cross_group = group
+    return node_group, cross_group  # type: ignore[return-value]
+
+
+def hierarchical_all_reduce(t: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    """Sum ``t`` over all ranks in three phases over subgroups; write the sum into ``t`` and return it.
+
+    1. reduce-scatter inside the node: local rank i holds shard i of the node's sum (1/p of the tensor);
+    2. all-reduce of that shard across nodes, among the ranks of local index i: the only traffic on
+       the slow inter-node links, 1/p of the tensor per rank;
+    3. all-gather of the shards inside the node.
+    The flattened tensor is padded with zeros to a multiple of ``ranks_per_node`` so that the
+    shards are equal, as ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` need.
+    """
+    node_group, cross_group = two_level_groups(dist.get_world_size(), ranks_per_node)
+    flat = t.reshape(-1)
+    shard_len = -(-flat.numel() // ranks_per_node)
+    padded = torch.zeros(shard_len * ranks_per_node, dtype=t.dtype, device=t.device)
+    padded[:flat.numel()] = flat
+    shard = padded.new_empty(shard_len)
+    dist.reduce_scatter_tensor(shard, padded, group=node_group)
+    dist.all_reduce(shard, group=cross_group)
+    dist.all_gather_into_tensor(padded, shard, group=node_group)
+    t.copy_(padded[:flat.numel()].reshape(t.shape))
+    return t
+
+
 # --------------------------------------------------------------------------------------------
 # The alpha-beta cost model
 # --------------------------------------------------------------------------------------------
@@ -286,15 +407,25 @@ def _check(algorithm: str, world_size: int) -> None:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
 
 
+def _fold(n: int) -> tuple[int, int]:
+    """Rabenseifner on n ranks: (the largest power of two p <= n, extra rounds of the whole tensor: 2 unless n = p)."""
+    p = 1 << (n.bit_length() - 1)
+    return p, 0 if p == n else 2
+
+
 def allreduce_steps(algorithm: str, world_size: int) -> int:
     """Communication rounds of an all-reduce over ``world_size`` ranks, one message per rank and direction per round.
 
-    naive   reduce to rank 0, which receives from the others one at a time, then broadcast the
-            same way: 2 (n - 1) rounds, each moving the whole tensor.
-    direct  every rank sends its whole tensor to every other rank, one peer per round: n - 1
-            rounds (n (n - 1) messages in all), then each rank sums locally.
-    ring    reduce-scatter then all-gather around a ring: 2 (n - 1) rounds of 1/n of the tensor.
-    tree    binomial-tree reduce then broadcast: 2 ceil(log2 n) rounds, each moving the whole tensor.
+    naive         reduce to rank 0, which receives from the others one at a time, then broadcast the
+                  same way: 2 (n - 1) rounds, each moving the whole tensor.
+    direct        every rank sends its whole tensor to every other rank, one peer per round: n - 1
+                  rounds (n (n - 1) messages in all), then each rank sums locally.
+    ring          reduce-scatter then all-gather around a ring: 2 (n - 1) rounds of 1/n of the tensor.
+    tree          binomial-tree reduce then broadcast: 2 ceil(log2 n) rounds, each moving the whole tensor.
+    rabenseifner  recursive-halving reduce-scatter then recursive-doubling all-gather: 2 log2 n rounds
+                  whose messages halve (N/2, N/4 ... N/n) and then double again. When n is not a power
+                  of two, the n - p ranks above the largest power of two p first hand their tensor to
+                  a partner and get the result back at the end: 2 log2 p + 2 rounds.
     """
     _check(algorithm, world_size)
     n = world_size
@@ -304,20 +435,28 @@ def allreduce_steps(algorithm: str, world_size: int) -> int:
         return 2 * (n - 1)
     if algorithm == "direct":
         return n - 1
+    if algorithm == "rabenseifner":
+        p, extra = _fold(n)
+        return 2 * (p.bit_length() - 1) + extra
     return 2 * math.ceil(math.log2(n))
 
 
 def allreduce_message_bytes(algorithm: str, n_bytes: float, world_size: int) -> float:
-    """Bytes in each message of one round: the whole tensor, or 1/n of it for the ring."""
+    """Bytes in the largest message of one round: the whole tensor, 1/n of it for the ring, half of it for Rabenseifner."""
     _check(algorithm, world_size)
-    return n_bytes / world_size if algorithm == "ring" else float(n_bytes)
+    if algorithm == "ring":
+        return n_bytes / world_size
+    if algorithm == "rabenseifner" and _fold(world_size)[1] == 0:
+        return n_bytes / 2 if world_size > 1 else 0.0
+    return float(n_bytes)
 
 
 def allreduce_bytes_per_rank(algorithm: str, n_bytes: float, world_size: int) -> float:
     """Bytes sent by the busiest rank during one all-reduce of ``n_bytes`` (received bytes are the same).
 
-    naive: the root sends the result to n - 1 ranks, (n - 1) N; direct: (n - 1) N; ring:
-    2 (n - 1) / n N, the same on every rank; tree: the root sends ceil(log2 n) N while broadcasting.
+    naive: the root sends the result to n - 1 ranks, (n - 1) N; direct: (n - 1) N; ring and
+    Rabenseifner (n a power of two): 2 (n - 1) / n N, the same on every rank; tree: the root sends
+    ceil(log2 n) N while broadcasting.
     """
     _check(algorithm, world_size)
     n = world_size
@@ -325,21 +464,54 @@ def allreduce_bytes_per_rank(algorithm: str, n_bytes: float, world_size: int) ->
         return 0.0
     if algorithm == "ring":
         return 2 * (n - 1) / n * n_bytes
+    if algorithm == "rabenseifner":
+        p, extra = _fold(n)
+        return 2 * (p - 1) / p * n_bytes + extra / 2 * n_bytes  # a folded-in partner also sends the result back
     if algorithm == "tree":
         return math.ceil(math.log2(n)) * float(n_bytes)
     return (n - 1) * float(n_bytes)
 
 
+def _serial_bytes(algorithm: str, n_bytes: float, world_size: int) -> float:
+    """Bytes that pass one after the other over the busiest link: the sum of the message sizes of every round."""
+    n = world_size
+    if algorithm == "rabenseifner":
+        p, extra = _fold(n)
+        return 2 * (p - 1) / p * n_bytes + extra * n_bytes
+    return allreduce_steps(algorithm, n) * allreduce_message_bytes(algorithm, n_bytes, n)
+
+
 def allreduce_cost(algorithm: str, n_bytes: float, world_size: int, alpha: float, beta: float) -> float:
-    """Seconds for an all-reduce of ``n_bytes`` under the alpha-beta model: steps * (alpha + message bytes * beta).
+    """Seconds for an all-reduce of ``n_bytes`` under the alpha-beta model: the sum over rounds of (alpha + message bytes * beta).
 
     ``alpha`` is the latency of one message in seconds, ``beta`` the seconds per byte of one link
-    (1 / bandwidth). Reduction arithmetic is ignored.
+    (1 / bandwidth). Reduction arithmetic is ignored. For every algorithm but Rabenseifner's all
+    rounds move equal messages, so the cost is steps * (alpha + message bytes * beta).
     """
     if n_bytes < 0 or alpha < 0 or beta < 0:
         raise ValueError(f"need n_bytes, alpha, beta >= 0, got {n_bytes}, {alpha}, {beta}")
-    steps = allreduce_steps(algorithm, world_size)
-    return steps * (alpha + allreduce_message_bytes(algorithm, n_bytes, world_size) * beta)
+    if world_size == 1:
+        _check(algorithm, world_size)
+        return 0.0
+    return allreduce_steps(algorithm, world_size) * alpha + _serial_bytes(algorithm, n_bytes, world_size) * beta
+
+
+def hierarchical_allreduce_cost(n_bytes: float, nodes: int, per_node: int, intra: tuple[float, float],
+                                inter: tuple[float, float]) -> float:
+    """Seconds for the two-level all-reduce of ``n_bytes`` on ``nodes`` x ``per_node`` ranks; links given as (alpha, beta).
+
+    Ring reduce-scatter inside each node, (p - 1) (alpha_i + N/p beta_i); ring all-reduce of the
+    N/p shard across the m nodes, 2 (m - 1) (alpha_e + N/(m p) beta_e), the p shards of a node
+    travelling at once over their own links (one NIC per GPU); ring all-gather inside the node,
+    (p - 1) (alpha_i + N/p beta_i).
+    """
+    if n_bytes < 0 or nodes < 1 or per_node < 1:
+        raise ValueError(f"need n_bytes >= 0, nodes >= 1, per_node >= 1, got {n_bytes}, {nodes}, {per_node}")
+    (alpha_i, beta_i), (alpha_e, beta_e) = intra, inter
+    p, m = per_node, nodes
+    inside = 2 * (p - 1) * (alpha_i + n_bytes / p * beta_i)
+    across = allreduce_cost("ring", n_bytes / p, m, alpha_e, beta_e)
+    return inside + across
 
 
 def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:

@@ -1,6 +1,7 @@
-"""Unit tests of course_lib.collectives: the collectives from send/recv and the ring on 2-4 gloo ranks
-(checked with the chapter's harness, course_lib.exercises.collectives, against PyTorch's own collectives
-and a single-process reference), the cost model, and the torchrun self-check."""
+"""Unit tests of course_lib.collectives: the collectives from send/recv, the ring, Rabenseifner, all-to-all
+and the two-level all-reduce on 2-6 gloo ranks (checked with the chapter's harness,
+course_lib.exercises.collectives, against PyTorch's own collectives and a single-process reference),
+the cost model, and the torchrun self-check."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def _cases(world_size: int) -> list[tuple]:
         (5, 0, torch.float32, 0),
         (6, 2 * world_size + world_size - 1, torch.int64, 1 % world_size),
         (7, world_size + 2, torch.float32, 0, 3),
+        (8, 2 * world_size + 1, torch.float32, last, 0, True),
+        (9, world_size + 1, torch.float64, 0, 3, True),
     ]
 
 
@@ -104,6 +107,93 @@ def test_ring_all_gather_checks_sizes() -> None:
         launch(_ring_all_gather_bad_sizes, 2)
 
 
+# ---- Rabenseifner, all-to-all, two levels -------------------------------------------------------
+
+
+def _rabenseifner(length: int, width: int) -> torch.Tensor:
+    t = C.rank_input(11, dist.get_rank(), length, torch.float64, width)
+    out = C.rabenseifner_all_reduce(t)
+    assert out is t
+    return t
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("length, width", [(0, 0), (1, 0), (3, 0), (13, 0), (5, 3)])
+def test_rabenseifner_all_reduce(world_size: int, length: int, width: int) -> None:
+    want = sum(C.rank_input(11, r, length, torch.float64, width) for r in range(world_size))
+    for got in launch(_rabenseifner, world_size, length, width):
+        torch.testing.assert_close(got, want)
+
+
+def _rabenseifner_three() -> None:
+    C.rabenseifner_all_reduce(torch.zeros(4))
+
+
+def test_rabenseifner_needs_a_power_of_two() -> None:
+    with pytest.raises(RankError, match="power-of-two"):
+        launch(_rabenseifner_three, 3)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_to_all_reference(world_size: int) -> None:
+    X.check_all_to_all(C.all_to_all_p2p, world_size, [
+        (1, 3), (2, 0), (3, 4, torch.int64), (4, 2, torch.float64, 3), (5, 3, torch.float32, 0, True),
+        (6, 2, torch.int64, 2, True),
+    ])
+
+
+def test_all_to_all_case_is_ragged_and_strided() -> None:
+    rows, chunks = X.all_to_all_case(3, 4, 5, torch.float32, 2, strided=True)
+    assert rows[0][1] == rows[1][0] == 0
+    assert all(chunks[s][d].shape == (rows[s][d], 2) for s in range(4) for d in range(4))
+    assert any(not c.is_contiguous() for row in chunks for c in row if c.numel() > 1)
+
+
+@pytest.mark.parametrize("nodes, per_node", [(2, 2), (3, 2), (2, 3), (1, 2), (2, 1)])
+def test_hierarchical_all_reduce_reference(nodes: int, per_node: int) -> None:
+    X.check_hierarchical_all_reduce(C.hierarchical_all_reduce, nodes, per_node, [
+        (1, 7), (2, 0), (3, 1, torch.float64), (4, 4 * per_node, torch.int64), (5, 5, torch.float32, 3),
+    ])
+
+
+def _flat_all_reduce(t: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    dist.all_reduce(t)
+    return t
+
+
+def _world_shard(t: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    return C.ring_all_reduce(t)
+
+
+def test_hierarchical_harness_checks_the_phases() -> None:
+    with pytest.raises(AssertionError, match="collectives ran as"):
+        X.check_hierarchical_all_reduce(_flat_all_reduce, 2, 2, [(1, 8)])
+    with pytest.raises(AssertionError, match="called"):
+        X.check_hierarchical_all_reduce(_world_shard, 2, 2, [(1, 8)])
+
+
+def _loose_all_to_all(chunks: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = [chunks[rank].clone()] * world
+    for k in range(1, world):
+        to, frm = (rank + k) % world, (rank - k) % world
+        out[frm] = chunks[rank].new_empty((recv_sizes[frm], *chunks[rank].shape[1:]))
+        ops = [dist.P2POp(dist.irecv, out[frm], frm)] if out[frm].numel() else []
+        ops += [dist.P2POp(dist.isend, chunks[to], to)] if chunks[to].numel() else []
+        for req in dist.batch_isend_irecv(ops) if ops else []:
+            req.wait()
+    return out
+
+
+def test_all_to_all_harness_refuses_non_contiguous_buffers() -> None:
+    X.check_all_to_all(_loose_all_to_all, 3, [(1, 3)])  # contiguous chunks: right
+    # gloo itself refuses some layouts (a RankError); the harness refuses the ones it lets through
+    with pytest.raises((AssertionError, RankError), match="contiguous"):
+        X.check_all_to_all(_loose_all_to_all, 3, [(1, 3, torch.float32, 2, True)])
+    with pytest.raises((AssertionError, RankError), match="contiguous"):
+        X.check_all_to_all(_loose_all_to_all, 3, [(1, 3, torch.float32, 0, True)])
+
+
 # ---- the harness catches what it should -------------------------------------------------------
 
 
@@ -159,9 +249,10 @@ def test_expected_result_unknown_collective() -> None:
 @pytest.mark.parametrize(
     "algorithm, world_size, steps",
     [
-        ("naive", 8, 14), ("ring", 8, 14), ("tree", 8, 6), ("direct", 8, 7),
-        ("naive", 1, 0), ("ring", 1, 0), ("tree", 1, 0), ("direct", 1, 0),
+        ("naive", 8, 14), ("ring", 8, 14), ("tree", 8, 6), ("direct", 8, 7), ("rabenseifner", 8, 6),
+        ("naive", 1, 0), ("ring", 1, 0), ("tree", 1, 0), ("direct", 1, 0), ("rabenseifner", 1, 0),
         ("ring", 2, 2), ("tree", 2, 2), ("tree", 5, 6), ("tree", 16, 8), ("naive", 3, 4),
+        ("rabenseifner", 2, 2), ("rabenseifner", 6, 6), ("rabenseifner", 64, 12),
     ],
 )
 def test_allreduce_steps(algorithm: str, world_size: int, steps: int) -> None:
@@ -178,6 +269,27 @@ def test_allreduce_cost_by_hand() -> None:
     # latency-bound: tiny messages favour the tree; bandwidth-bound: big ones favour the ring
     assert C.allreduce_cost("tree", 8, 64, alpha, beta) < C.allreduce_cost("ring", 8, 64, alpha, beta)
     assert C.allreduce_cost("ring", 1e9, 64, alpha, beta) < C.allreduce_cost("tree", 1e9, 64, alpha, beta)
+
+
+def test_rabenseifner_cost_has_ring_bytes_and_log_rounds() -> None:
+    alpha, beta, N = 1e-5, 1e-9, 8e6
+    assert math.isclose(C.allreduce_cost("rabenseifner", N, 8, alpha, beta), 6 * alpha + 2 * 7 / 8 * N * beta)
+    assert math.isclose(C.allreduce_cost("rabenseifner", N, 8, 0.0, beta), C.allreduce_cost("ring", N, 8, 0.0, beta))
+    assert math.isclose(C.allreduce_cost("rabenseifner", N, 6, alpha, beta), 6 * alpha + (2 * 3 / 4 + 2) * N * beta)
+    assert math.isclose(C.allreduce_bytes_per_rank("rabenseifner", 800, 8), 1400)
+    assert C.allreduce_message_bytes("rabenseifner", 800, 8) == 400
+
+
+def test_hierarchical_cost_by_hand() -> None:
+    intra, inter, N = (1e-6, 1e-10), (1e-5, 1e-9), 8e6
+    want = 2 * 3 * (1e-6 + 2e6 * 1e-10) + 2 * 1 * (1e-5 + 1e6 * 1e-9)  # 2 nodes x 4
+    assert math.isclose(C.hierarchical_allreduce_cost(N, 2, 4, intra, inter), want)
+    same = (0.0, 1e-9)  # equal links, no latency: the flat ring's bytes
+    assert math.isclose(C.hierarchical_allreduce_cost(N, 4, 2, same, same), C.allreduce_cost("ring", N, 8, *same))
+    assert math.isclose(C.hierarchical_allreduce_cost(N, 1, 8, intra, inter), C.allreduce_cost("ring", N, 8, *intra))
+    assert math.isclose(C.hierarchical_allreduce_cost(N, 8, 1, intra, inter), C.allreduce_cost("ring", N, 8, *inter))
+    with pytest.raises(ValueError):
+        C.hierarchical_allreduce_cost(N, 0, 8, intra, inter)
 
 
 def test_allreduce_bytes_per_rank() -> None:
@@ -246,8 +358,10 @@ def test_torchrun_entry_checks_every_collective_and_times_them() -> None:
     checks, result = _torchrun("benchmarks.checks.collectives")
     assert sum("ring_all_reduce n=" in c for c in checks) == 6  # three lengths, two of them not divisible by 2
     for name in ("broadcast_p2p", "scatter_p2p", "gather_p2p", "reduce_p2p", "all_gather_p2p",
-                 "reduce_scatter_p2p", "ring_reduce_scatter", "ring_all_gather"):
+                 "reduce_scatter_p2p", "ring_reduce_scatter", "ring_all_gather", "rabenseifner_all_reduce",
+                 "hierarchical_all_reduce", "all_to_all_p2p"):
         assert any(c.startswith(name + " ") for c in checks), (name, checks)
     assert result["world_size"] == 2 and result["backend"] == "gloo"
     n = len(result["sizes_bytes"])
-    assert all(len(result[k]) == n and min(result[k]) > 0 for k in ("ping_pong_s", "ring_all_reduce_s", "dist_all_reduce_s"))
+    assert all(len(result[k]) == n and min(result[k]) > 0
+               for k in ("ping_pong_s", "ring_all_reduce_s", "dist_all_reduce_s", "rabenseifner_all_reduce_s"))

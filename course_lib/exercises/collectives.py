@@ -5,11 +5,21 @@ it builds the case's input (``collectives.rank_input``), runs PyTorch's own coll
 one has the same meaning, then the student's ``fn`` with every ``torch.distributed`` collective
 forbidden (``support.comm.record_collectives``); back in the test's process each rank's result is
 compared with the single-process answer (``expected_result``) and with PyTorch's.
+
+``check_all_to_all`` does the same for an all-to-all of ragged chunks (``all_to_all_case``: who
+sends how many rows to whom), against ``dist.all_to_all_single`` and the single-process answer,
+and refuses a non-contiguous tensor handed to a point-to-point call (gloo takes one, NCCL does
+not). ``check_hierarchical_all_reduce`` runs a two-level all-reduce on ``nodes x ranks_per_node``
+ranks against ``dist.all_reduce`` and checks its collectives: reduce-scatter, then an all-reduce
+of 1/ranks_per_node of the bytes, then all-gather.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import inspect
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +31,8 @@ from course_lib.exercises.ranks import launch_on_cpu
 from course_lib.support import comm
 from course_lib.support.dist import rank_device
 
-__all__ = ["ANY", "CHECKED_COLLECTIVES", "call_collective", "check_collective", "expected_result"]
+__all__ = ["ANY", "CHECKED_COLLECTIVES", "all_to_all_case", "call_collective", "check_all_to_all", "check_collective",
+           "check_hierarchical_all_reduce", "expected_result", "strided_input"]
 
 # The collectives ``check_collective`` knows how to call and check.
 CHECKED_COLLECTIVES = (
@@ -104,16 +115,27 @@ def call_collective(fn: Callable[..., Any], collective: str, x: torch.Tensor, ro
     return fn(x)
 
 
+def strided_input(seed: int, rank: int, length: int, dtype: torch.dtype = torch.float32, width: int = 0) -> torch.Tensor:
+    """``rank_input``'s values in a tensor that is not contiguous: every other element (1-D) or a transposed matrix (2-D)."""
+    x = rank_input(seed, rank, length, dtype, width)
+    if width:
+        return x.t().contiguous().t()
+    spaced = torch.zeros(2 * length, dtype=dtype)
+    spaced[::2] = x
+    return spaced[::2]
+
+
 def _rank_cases(fn: Callable[..., Any], collective: str, cases: list[tuple], point_to_point_only: bool) -> list[tuple]:
-    """In a rank: (``fn``'s result, PyTorch's) for every case, with the collectives forbidden while ``fn`` runs."""
+    """In a rank: (``fn``'s result, PyTorch's, the non-contiguous calls) per case, the collectives forbidden while ``fn`` runs."""
     forbid = tuple(comm.COLLECTIVES) if point_to_point_only else ()
     results = []
-    for seed, length, dtype, root, width in cases:
+    for seed, length, dtype, root, width, strided in cases:
         x = rank_input(seed, dist.get_rank(), length, dtype, width).to(rank_device())
         theirs = _torch_version_of(collective, x, root)
-        with comm.record_collectives(forbid=forbid, reason=_P2P_ONLY):
-            mine = call_collective(fn, collective, x.clone(), root)
-        results.append((mine, theirs))
+        given = strided_input(seed, dist.get_rank(), length, dtype, width).to(rank_device()) if strided else x.clone()
+        with comm.record_collectives(forbid=forbid, reason=_P2P_ONLY) as log:
+            mine = call_collective(fn, collective, given, root)
+        results.append((mine, theirs, _not_contiguous(log)))
         dist.barrier()
     return results
 
@@ -129,10 +151,12 @@ def check_collective(
 ) -> None:
     """Run ``fn`` on ``world_size`` ranks for every case and check what each rank returns.
 
-    ``cases`` holds ``(seed, length[, dtype[, root[, width]]])`` tuples (defaults float32, root 0,
-    1-D). How ``fn`` is called follows ``collective`` (``call_collective``). Each rank's result is
-    compared with the single-process reference (``expected_result``) and with PyTorch's own
-    collective run on the same ranks where one exists. With ``point_to_point_only`` the torch
+    ``cases`` holds ``(seed, length[, dtype[, root[, width[, strided]]]])`` tuples (defaults float32,
+    root 0, 1-D, contiguous; ``strided``: the input is ``strided_input``, not contiguous). How ``fn``
+    is called follows ``collective`` (``call_collective``). Each rank's result is compared with the
+    single-process reference (``expected_result``) and with PyTorch's own collective run on the
+    same ranks where one exists; a tensor handed to a point-to-point call must be contiguous (NCCL
+    needs it; gloo does not check). With ``point_to_point_only`` the torch
     collectives raise an AssertionError if ``fn`` calls one. Raises ``NotDoneYet`` for an untouched
     exercise and ``AssertionError`` saying which rank, case and element went wrong, or that the
     ranks did not finish (most likely a deadlock). The ranks use gloo on the CPU even where there
@@ -143,25 +167,24 @@ def check_collective(
     if collective not in CHECKED_COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; expected one of {CHECKED_COLLECTIVES}")
     full = []
-    defaults = (torch.float32, 0, 0)  # dtype, root, width
+    defaults = (torch.float32, 0, 0, False)  # dtype, root, width, strided
     for seed, length, *rest in cases:
         full.append((seed, length, *rest, *defaults[len(rest):]))
     name = getattr(fn, "__name__", repr(fn))
-    try:
-        per_rank = launch_on_cpu(_rank_cases, world_size, fn, collective, full, point_to_point_only, timeout=timeout)
-    except TimeoutError:
-        raise AssertionError(
-            f"{name} on {world_size} ranks did not finish within {timeout:g} s: most likely a deadlock "
-            "(a rank waits in recv for a message nobody sends, or every rank sends before anyone receives; "
-            "post isend and irecv together, and check that sender and receiver agree on peers and sizes)"
-        ) from None
-    for i, (seed, length, dtype, root, width) in enumerate(full):
+    per_rank = _launch(name, world_size, timeout, _rank_cases, fn, collective, full, point_to_point_only)
+    for i, (seed, length, dtype, root, width, strided) in enumerate(full):
         want = expected_result(collective, [rank_input(seed, r, length, dtype, width) for r in range(world_size)], root)
-        label = f"{name} with {world_size} ranks, length {length}{f'x{width}' if width else ''}, {dtype}, seed {seed}"
+        label = (f"{name} with {world_size} ranks, length {length}{f'x{width}' if width else ''}, {dtype}, seed {seed}"
+                 f"{', a non-contiguous input' if strided else ''}")
         if collective in ("broadcast", "scatter", "gather", "reduce"):
             label += f", root {root}"
         for r in range(world_size):
-            mine, theirs = per_rank[r][i]
+            mine, theirs, loose = per_rank[r][i]
+            if loose:
+                raise AssertionError(
+                    f"{label}: rank {r} handed a non-contiguous tensor to {', '.join(loose[:3])}: gloo copes, NCCL needs "
+                    "contiguous buffers (send x.contiguous(); receive into torch.empty(..., memory_format="
+                    "torch.contiguous_format) and copy)")
             _compare(mine, want[r], f"{label}: rank {r}'s result", dtype)
             if theirs is not None:
                 torch_name = collective.replace("ring_", "")
@@ -185,3 +208,202 @@ def _compare(got: Any, want: Any, label: str, dtype: torch.dtype) -> None:
             assert_close(g, w, name=f"{label}[{j}]", **tol)
         return
     assert_close(got, want, name=label, **tol)
+
+
+def _launch(name: str, world_size: int, timeout: float, rank_fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """``launch_on_cpu(rank_fn, world_size, *args)``; a run past ``timeout`` fails as a likely deadlock of ``name``."""
+    try:
+        return launch_on_cpu(rank_fn, world_size, *args, timeout=timeout)
+    except TimeoutError:
+        raise AssertionError(
+            f"{name} on {world_size} ranks did not finish within {timeout:g} s: most likely a deadlock "
+            "(a rank waits in recv for a message nobody sends, or every rank sends before anyone receives; "
+            "post isend and irecv together, and check that sender and receiver agree on peers and sizes)"
+        ) from None
+
+
+def _not_contiguous(log: comm.CommLog) -> list[str]:
+    """The calls of ``log`` that were handed a non-contiguous tensor, described."""
+    return [f"dist.{c.op}" + (f" (peer {c.peer})" if c.peer is not None else "") for c in log.calls if not c.contiguous]
+
+
+# --------------------------------------------------------------------------------------------
+# All-to-all
+# --------------------------------------------------------------------------------------------
+
+
+def all_to_all_case(seed: int, world_size: int, max_rows: int, dtype: torch.dtype = torch.float32, width: int = 0,
+                    strided: bool = False) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """(``rows[src][dst]``, ``chunks[src][dst]``): the ragged chunks every rank sends to every rank.
+
+    Row counts are random in 0..max_rows, and rank 0 and rank 1 send each other nothing; with
+    ``strided`` every chunk is a non-contiguous view (every other element of a larger tensor).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, max_rows + 1, (world_size, world_size), generator=gen).tolist()
+    if world_size > 1:
+        rows[0][1] = rows[1][0] = 0
+    chunks = []
+    for src in range(world_size):
+        total = sum(rows[src])
+        if strided:
+            full = rank_input(seed, src, 2 * total, dtype, width)[::2] if not width else \
+                rank_input(seed, src, total, dtype, 2 * width)[:, ::2]
+        else:
+            full = rank_input(seed, src, total, dtype, width)
+        chunks.append(list(torch.split(full, rows[src])))
+    return rows, chunks
+
+
+def _rank_all_to_all(fn: Callable[..., Any], cases: list[tuple]) -> list[tuple]:
+    """In a rank: (``fn``'s result, PyTorch's, the non-contiguous calls) per case, collectives forbidden while ``fn`` runs."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for seed, max_rows, dtype, width, strided in cases:
+        rows, chunks = all_to_all_case(seed, world, max_rows, dtype, width, strided)
+        mine_in = chunks[rank]
+        recv = [rows[src][rank] for src in range(world)]
+        send_flat = torch.cat([c.contiguous() for c in mine_in])
+        theirs = send_flat.new_empty((sum(recv), *send_flat.shape[1:]))
+        dist.all_to_all_single(theirs, send_flat, output_split_sizes=recv, input_split_sizes=rows[rank])
+        with comm.record_collectives(forbid=tuple(comm.COLLECTIVES), reason=_P2P_ONLY) as log:
+            mine = fn(list(mine_in), list(recv))
+        results.append((mine, list(torch.split(theirs, recv)), _not_contiguous(log)))
+        dist.barrier()
+    return results
+
+
+def check_all_to_all(fn: Callable[..., Any], world_size: int, cases: Sequence[tuple], *, timeout: float = 30.0) -> None:
+    """Run ``fn(chunks, recv_sizes)`` on ``world_size`` gloo ranks for every case and check each rank's list.
+
+    ``cases`` holds ``(seed, max_rows[, dtype[, width[, strided]]])`` (``all_to_all_case``; defaults
+    float32, 1-D, contiguous chunks). Rank r's result must be the list of the chunks every rank sent
+    to r, in rank order, equal to the single-process answer and to ``dist.all_to_all_single`` run
+    on the same ranks; every tensor handed to a point-to-point call must be contiguous.
+    """
+    full = [(seed, max_rows, *rest, *(torch.float32, 0, False)[len(rest):]) for seed, max_rows, *rest in cases]
+    name = getattr(fn, "__name__", repr(fn))
+    per_rank = _launch(name, world_size, timeout, _rank_all_to_all, fn, full)
+    for i, (seed, max_rows, dtype, width, strided) in enumerate(full):
+        rows, chunks = all_to_all_case(seed, world_size, max_rows, dtype, width, strided)
+        label = (f"{name} with {world_size} ranks, {dtype}{f', {width} columns' if width else ''}"
+                 f"{', non-contiguous chunks' if strided else ''}, seed {seed}")
+        for r in range(world_size):
+            mine, theirs, loose = per_rank[r][i]
+            if loose:
+                raise AssertionError(
+                    f"{label}: rank {r} handed a non-contiguous tensor to {', '.join(loose[:3])}: gloo copes, NCCL "
+                    "needs contiguous buffers (send chunk.contiguous(), receive into a fresh torch.empty)")
+            want = [chunks[src][r] for src in range(world_size)]
+            where = f"{label}: rank {r}'s result"
+            if not isinstance(mine, (list, tuple)) or len(mine) != world_size:
+                what = f"a {type(mine).__name__} of length {len(mine)}" if isinstance(mine, (list, tuple)) \
+                    else type(mine).__name__
+                raise AssertionError(f"{where}: expected a list of {world_size} tensors (one from each rank), got {what}")
+            for src in range(world_size):
+                hint = f" (rows[{src}][{r}] = {rows[src][r]}: the chunk rank {src} sent to rank {r})"
+                assert_close(mine[src], want[src], name=f"{where}[{src}]{hint}", rtol=0.0, atol=0.0)
+                assert_close(mine[src], theirs[src], name=f"{where}[{src}] against dist.all_to_all_single", rtol=0.0, atol=0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# The two-level all-reduce
+# --------------------------------------------------------------------------------------------
+
+_REDUCE_SCATTER = ("reduce_scatter", "reduce_scatter_tensor")
+_ALL_GATHER = ("all_gather", "all_gather_into_tensor")
+
+
+@contextlib.contextmanager
+def _groups_used() -> Iterator[list[tuple[str, list[int]]]]:
+    """Within the block, note (op, ranks of its group) for every reduce-scatter, all-reduce and all-gather called."""
+    seen: list[tuple[str, list[int]]] = []
+    originals = {op: getattr(dist, op) for op in (*_REDUCE_SCATTER, "all_reduce", *_ALL_GATHER)}
+
+    def noting(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(fn)
+
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            group = signature.bind(*args, **kwargs).arguments.get("group")
+            seen.append((op, dist.get_process_group_ranks(group or dist.group.WORLD)))
+            return fn(*args, **kwargs)
+        return noted
+
+    try:
+        for op, fn in originals.items():
+            setattr(dist, op, noting(op, fn))
+        yield seen
+    finally:
+        for op, fn in originals.items():
+            setattr(dist, op, fn)
+
+
+def _rank_hierarchical(fn: Callable[..., Any], ranks_per_node: int, cases: list[tuple]) -> list[tuple]:
+    """In a rank: (``fn``'s result, ``dist.all_reduce``'s, the calls ``fn`` made as (op, bytes), the non-contiguous ones)."""
+    results = []
+    for seed, length, dtype, width in cases:
+        x = rank_input(seed, dist.get_rank(), length, dtype, width)
+        theirs = x.clone()
+        dist.all_reduce(theirs)
+        with _groups_used() as groups, comm.record_collectives() as log:
+            mine = fn(x.clone(), ranks_per_node)
+        results.append((mine, theirs, [(c.op, c.bytes) for c in log.calls], _not_contiguous(log), groups))
+        dist.barrier()
+    return results
+
+
+def check_hierarchical_all_reduce(fn: Callable[..., Any], nodes: int, ranks_per_node: int, cases: Sequence[tuple], *,
+                                  timeout: float = 30.0) -> None:
+    """Run ``fn(t, ranks_per_node)`` on ``nodes * ranks_per_node`` gloo ranks for every case; check values and collectives.
+
+    ``cases`` holds ``(seed, length[, dtype[, width]])``. Each rank's result must equal the sum over
+    ranks and ``dist.all_reduce``; the calls must be reduce-scatter(s), then all-reduce(s) carrying at
+    most 1/ranks_per_node of the tensor (the shard, padding included), then all-gather(s), every
+    buffer contiguous; reduce-scatter and all-gather on the node's group (consecutive ranks), the
+    all-reduce on the cross-node group (the ranks of the same local index).
+    """
+    world = nodes * ranks_per_node
+    full = [(seed, length, *rest, *(torch.float32, 0)[len(rest):]) for seed, length, *rest in cases]
+    name = getattr(fn, "__name__", repr(fn))
+    per_rank = _launch(name, world, timeout, _rank_hierarchical, fn, ranks_per_node, full)
+    for i, (seed, length, dtype, width) in enumerate(full):
+        inputs = [rank_input(seed, r, length, dtype, width) for r in range(world)]
+        want = expected_result("all_reduce", inputs)[0]
+        label = (f"{name} on {nodes} nodes x {ranks_per_node} ranks, length {length}{f'x{width}' if width else ''}, "
+                 f"{dtype}, seed {seed}")
+        numel, size = want.numel(), want.element_size()
+        shard_bytes = math.ceil(numel / ranks_per_node) * size
+        for r in range(world):
+            mine, theirs, calls, loose, groups = per_rank[r][i]
+            _compare(mine, want, f"{label}: rank {r}'s result", dtype)
+            _compare(mine, theirs, f"{label}: rank {r}'s result against dist.all_reduce", dtype)
+            if numel == 0:
+                continue
+            where = f"{label}: rank {r}"
+            if loose:
+                raise AssertionError(f"{where} handed a non-contiguous tensor to {', '.join(loose[:3])}: NCCL needs "
+                                     "contiguous buffers")
+            other = sorted({op for op, _ in calls if op not in (*_REDUCE_SCATTER, "all_reduce", *_ALL_GATHER)})
+            if other:
+                raise AssertionError(f"{where} called {other}: build it from dist.reduce_scatter_tensor, dist.all_reduce "
+                                     "and dist.all_gather_into_tensor on the node and cross-node groups")
+            phases = [("reduce-scatter" if op in _REDUCE_SCATTER else "all-gather" if op in _ALL_GATHER else "all-reduce")
+                      for op, _ in calls]
+            order = [p for j, p in enumerate(phases) if j == 0 or phases[j - 1] != p]
+            if order != ["reduce-scatter", "all-reduce", "all-gather"]:
+                raise AssertionError(f"{where}: the collectives ran as {order}, expected reduce-scatter inside the node, "
+                                     "then all-reduce across nodes, then all-gather inside the node")
+            across = sum(b for op, b in calls if op == "all_reduce")
+            if across > shard_bytes:
+                raise AssertionError(
+                    f"{where}: the cross-node all-reduce carried {across} bytes; the shard is {shard_bytes} bytes "
+                    f"(1/{ranks_per_node} of {numel * size}): all-reduce only this rank's shard across nodes")
+            node = list(range(r - r % ranks_per_node, r - r % ranks_per_node + ranks_per_node))
+            cross = list(range(r % ranks_per_node, world, ranks_per_node))
+            for op, ranks in groups:
+                should = cross if op == "all_reduce" else node
+                if sorted(ranks) != should:
+                    kind = "the cross-node group (the ranks with its local index)" if op == "all_reduce" else "its node's group"
+                    raise AssertionError(f"{where}: dist.{op} ran on the group of ranks {sorted(ranks)}; expected {kind}, "
+                                         f"ranks {should} (node k holds ranks k*{ranks_per_node} .. "
+                                         f"k*{ranks_per_node}+{ranks_per_node - 1})")
