@@ -96,6 +96,14 @@ def test_torchrun_command_for_one_node_and_for_a_rendezvous_of_several() -> None
         torchrun.torchrun_command(2, 2)
 
 
+def test_agents_on_one_host_never_share_a_gpu() -> None:
+    assert torchrun.agent_devices(1, 4, 0) == [None]
+    assert torchrun.agent_devices(2, 2, 4) == ["0,1", "2,3"]
+    assert torchrun.agent_devices(2, 2, 8) == ["0,1", "2,3"]
+    assert torchrun.agent_devices(2, 1, 1) == ["", ""]  # one GPU, two agents: both on the CPU
+    assert torchrun.agent_devices(2, 2, 3) == ["", ""]
+
+
 def test_a_failed_two_node_run_names_the_rank() -> None:
     with pytest.raises(RuntimeError, match=r"--nnodes 2 .*exit status [1-9].*\nrank \d failed first \(exit code 2\)"):
         torchrun.run_entry("benchmarks.checks.hybrid", 1, "--no-such-option", nnodes=2)

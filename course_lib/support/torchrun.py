@@ -44,6 +44,7 @@ __all__ = [
     "report_result",
     "run_as_script",
     "run_entry",
+    "agent_devices",
     "set_nccl_env_defaults",
     "torchrun_command",
 ]
@@ -179,6 +180,20 @@ def torchrun_command(nproc: int, nnodes: int = 1, rendezvous: str = "", run_id: 
             "--rdzv_endpoint", rendezvous, "--rdzv_id", run_id, "--local_addr", host]
 
 
+def agent_devices(nnodes: int, nproc: int, n_gpus: int) -> list[str | None]:
+    """``CUDA_VISIBLE_DEVICES`` for each of ``nnodes`` agents of ``nproc`` ranks on one host with ``n_gpus`` GPUs.
+
+    One agent: None (the environment as it is). Several: disjoint slices of ``nproc`` GPUs when there
+    are enough for every rank, else "" for all (no GPU: gloo ranks on the CPU), never a GPU shared
+    by two agents (NCCL refuses two ranks on one GPU).
+    """
+    if nnodes == 1:
+        return [None]
+    if n_gpus >= nnodes * nproc:
+        return [",".join(str(node * nproc + i) for i in range(nproc)) for node in range(nnodes)]
+    return [""] * nnodes
+
+
 def _free_port() -> int:
     """A TCP port nothing listens on at the moment (the OS's pick)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -192,6 +207,9 @@ def run_entry(module: str, nproc: int, *args: str, nnodes: int = 1, timeout: flo
     One node: ``torchrun --standalone`` (its own free port, so runs in parallel do not meet).
     ``nnodes`` > 1: that many torchrun agents on this host, each a "node", meeting at a c10d
     rendezvous on the loopback, as the nodes of a cluster do over the network (``torchrun_command``).
+    The agents of one host must not share a GPU, as the nodes of a cluster do not: each gets its own
+    ``nproc`` GPUs (``CUDA_VISIBLE_DEVICES``) when the host has enough for all, and none otherwise,
+    so that its ranks use gloo on the CPU (``agent_devices``).
     ``--tee 3`` with a prefix template makes every line a rank prints start with ``[default<global rank>]:``.
     Raises RuntimeError when any node fails, times out or no RESULT is printed, saying which rank
     failed first, how, and its first error line (``explain_failure``), then the end of the output.
@@ -206,8 +224,9 @@ def run_entry(module: str, nproc: int, *args: str, nnodes: int = 1, timeout: flo
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     shown = f"torchrun {' '.join(options)} -m {module} {' '.join(args)}".rstrip()
-    nodes = [subprocess.Popen(command, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(nnodes)]
+    devices = agent_devices(nnodes, nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    nodes = [subprocess.Popen(command, cwd=_ROOT, env=env if mine is None else {**env, "CUDA_VISIBLE_DEVICES": mine},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for mine in devices]
     outputs, codes, late = [], [], False
     for node in nodes:
         try:
