@@ -1,4 +1,4 @@
-"""Chapter 12 (data parallelism): averaged gradients, naive and bucketed DDP, ZeRO stages 1-3, scaling, DeepSpeed.
+"""Chapter 12 (data parallelism): averaged gradients, DDP, ZeRO stages 1-3, uneven ranks, large batches, DeepSpeed.
 
 Every rank holds a full copy of the model, runs forward and backward on its own slice of the
 global batch, and the ranks average their gradients before the optimizer step. Averaging
@@ -18,6 +18,10 @@ train the same model as one process with an N times larger batch.
     # cost models
     dp.zero_bytes_sent(7.5e9, stage=3, world_size=64)                   # 1.5 times DDP's bytes per rank
     dp.scaling_efficiency(t_compute=0.30, t_comm=0.12, t_overlap=0.10)  # 0.9375
+    # heterogeneous ranks and large batches
+    counts = dp.speed_proportional_split(64, [1.7, 1.0])                # [40, 24]
+    dp.weighted_average_gradients(model, counts[rank], 64)              # in a rank: the full-batch gradient
+    dp.warmup_lr(step, dp.linear_scaled_lr(0.1, 256, 1024), warmup_steps=50)
 
 The exercises' training cases and rank workers are ``course_lib.exercises.data_parallel``; the
 torchrun self-check against PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2, on GPUs or gloo
@@ -30,6 +34,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -61,6 +66,11 @@ __all__ = [
     "offload_step_seconds",
     "step_compute_time",
     "scaling_efficiency",
+    "speed_proportional_split",
+    "weighted_average_gradients",
+    "equal_split_utilisation",
+    "linear_scaled_lr",
+    "warmup_lr",
 ]
 
 # ---- the maths, in one process ----------------------------------------------------------------
@@ -639,3 +649,88 @@ def scaling_efficiency(t_compute: Any, t_comm: Any, t_overlap: Any = 0.0) -> Any
         raise ValueError("t_comm and t_overlap must not be negative")
     eff = c / (c + np.maximum(m - o, 0.0))
     return float(eff) if eff.ndim == 0 else eff
+
+
+# ---- heterogeneous ranks: a split in proportion to speed, a weighted average ------------------------
+
+
+def speed_proportional_split(global_batch: int, speeds: Sequence[float]) -> list[int]:
+    """Samples per rank, in proportion to ``speeds`` (largest remainder), summing to ``global_batch``.
+
+    Each rank's quota is ``global_batch * speed / sum(speeds)`` (exact fractions); every rank first
+    gets the floor of its quota, and the samples left over go one each to the ranks with the largest
+    remainders, the lower rank first on ties. If ``global_batch >= len(speeds)``, a rank left with
+    none then takes one from the rank with the most (the lower rank on ties), until every rank has
+    one. With fewer samples than ranks, the fastest ranks get one each (the lower rank on ties).
+    ValueError for a negative batch, no ranks, or a speed that is not positive.
+    """
+    if global_batch < 0:
+        raise ValueError(f"global_batch must not be negative, got {global_batch}")
+    if not speeds or any(not s > 0 for s in speeds):
+        raise ValueError(f"speeds must be a non-empty list of positive numbers, got {list(speeds)}")
+    n = len(speeds)
+    if global_batch < n:
+        fastest = sorted(range(n), key=lambda r: (-speeds[r], r))[:global_batch]
+        return [int(r in fastest) for r in range(n)]
+    exact = [Fraction(s) for s in speeds]
+    quotas = [global_batch * s / sum(exact) for s in exact]
+    counts = [math.floor(q) for q in quotas]
+    by_remainder = sorted(range(n), key=lambda r: (-(quotas[r] - counts[r]), r))
+    for r in by_remainder[:global_batch - sum(counts)]:
+        counts[r] += 1
+    for r in range(n):
+        if counts[r] == 0:
+            donor = max(range(n), key=lambda d: (counts[d], -d))
+            counts[donor] -= 1
+            counts[r] = 1
+    return counts
+
+
+@torch.no_grad()
+def weighted_average_gradients(model: nn.Module, local_count: int, global_count: int) -> None:
+    """In a rank: replace the ``.grad`` of every trainable parameter by the full-batch gradient, in place.
+
+    Each rank holds the mean gradient of its ``local_count`` samples (or no gradient, with none);
+    weighted by ``local_count / global_count`` and summed over the ranks, they give the mean over
+    all ``global_count`` samples. All gradients travel in one flat, contiguous buffer: one
+    all-reduce per step. A parameter without ``.grad`` counts as zero and gets one.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads]) * (local_count / global_count)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    for p, piece in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = piece.view_as(p).clone()
+
+
+def equal_split_utilisation(speeds: Sequence[float]) -> float:
+    """Fraction of the ranks' summed throughput that an equal split delivers: N min(s) / sum(s).
+
+    With b samples each, a step lasts b / min(s) (everyone waits for the slowest rank) and delivers
+    N b samples, where ranks that never wait would deliver sum(s) b / min(s) in that time.
+    """
+    if not speeds or any(not s > 0 for s in speeds):
+        raise ValueError(f"speeds must be a non-empty list of positive numbers, got {list(speeds)}")
+    return len(speeds) * min(speeds) / sum(speeds)
+
+
+# ---- large batches: the linear scaling rule and warmup (Goyal et al. 2017) -------------------------
+
+
+def linear_scaled_lr(base_lr: float, base_batch: int, batch: int) -> float:
+    """The linear scaling rule: a ``batch / base_batch`` times larger batch gets that many times the learning rate."""
+    if base_batch <= 0 or batch <= 0:
+        raise ValueError(f"batch sizes must be positive, got {base_batch} and {batch}")
+    return base_lr * batch / base_batch
+
+
+def warmup_lr(step: int, peak_lr: float, warmup_steps: int, start_lr: float = 0.0) -> float:
+    """Gradual warmup: the learning rate of ``step`` (from 0), rising linearly from ``start_lr`` to ``peak_lr``.
+
+    Step ``warmup_steps`` and later use ``peak_lr``; ``warmup_steps=0`` means no warmup.
+    """
+    if step < 0 or warmup_steps < 0:
+        raise ValueError(f"step and warmup_steps must not be negative, got {step} and {warmup_steps}")
+    if step >= warmup_steps:
+        return peak_lr
+    return start_lr + (peak_lr - start_lr) * step / warmup_steps

@@ -348,3 +348,55 @@ def test_torchrun_entry_checks_ddp_and_zero_against_single_process_and_torch() -
     states = result["optimizer_state_bytes_per_rank"]
     assert states["zero1"] < states["adam_single_process"]  # two moments of half the parameters, padded
     assert states["zero2"] < states["adam_single_process"]
+
+
+def test_speed_proportional_split_largest_remainder_minimum_and_ties() -> None:
+    assert dp.speed_proportional_split(64, [1.7, 1.0]) == [40, 24]
+    assert dp.speed_proportional_split(10, [1.0, 1.0, 2.0]) == [3, 2, 5]  # rounding each quota gives 11 or 9
+    assert dp.speed_proportional_split(10, [1.0, 1.0, 1.0]) == [4, 3, 3]  # a tie: the lower rank first
+    assert dp.speed_proportional_split(10, [100.0, 1.0, 1.0]) == [8, 1, 1]  # every rank at least one
+    assert dp.speed_proportional_split(7, [1.0, 5.0, 5.0, 1.0]) == [1, 2, 3, 1]  # the donor: the lower of the largest
+    assert dp.speed_proportional_split(2, [1.0, 3.0, 3.0]) == [0, 1, 1]  # fewer samples than ranks: the fastest
+    assert dp.speed_proportional_split(0, [1.0, 2.0]) == [0, 0]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        speeds = list(rng.uniform(0.1, 5.0, rng.integers(1, 7)))
+        batch = int(rng.integers(0, 100))
+        counts = dp.speed_proportional_split(batch, speeds)
+        assert sum(counts) == batch and min(counts) >= (1 if batch >= len(speeds) else 0)
+        quotas = [batch * s / sum(speeds) for s in speeds]
+        if min(quotas) >= 1:  # no minimum to enforce: every count within one of its quota
+            assert all(abs(c - q) < 1 for c, q in zip(counts, quotas))
+    for bad in ((-1, [1.0]), (4, []), (4, [1.0, 0.0]), (4, [1.0, -2.0])):
+        with pytest.raises(ValueError):
+            dp.speed_proportional_split(*bad)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_weighted_average_gradients_equals_single_process(world_size: int) -> None:
+    speeds = {2: [1.7, 1.0], 3: [1.0, 4.0, 4.0]}[world_size]
+    cases = [dpx.TrainCase(batch=11, seed=0), dpx.TrainCase(sizes=(4, 6, 2), optimizer="adam", lr=0.02, batch=2, seed=3)]
+    student = (dp.speed_proportional_split, dp.weighted_average_gradients)
+    results = _run(dpx.train_heterogeneous, world_size, student, cases, speeds=speeds)
+    for case, *per_rank in zip(cases, *results):
+        want = dpx.train_single_process(case)
+        param_bytes = sum(p.numel() * p.element_size() for p in case.model().parameters())
+        for got in per_rank:
+            assert got["counts"] == dp.speed_proportional_split(case.batch, speeds)
+            for p, w in zip(got["params"], want["params"]):
+                assert_close(p, w, rtol=1e-10, atol=1e-10)
+            assert got["ops_per_step"] == [["all_reduce"]] * case.steps
+            assert got["comm"] == {"bytes": {"all_reduce": case.steps * param_bytes}, "contiguous": True}
+
+
+def test_equal_split_utilisation_and_large_batch_schedules() -> None:
+    assert dp.equal_split_utilisation([1.7, 1.0]) == pytest.approx(2 / 2.7)
+    assert dp.equal_split_utilisation([2.0, 2.0, 2.0]) == pytest.approx(1.0)
+    assert dp.linear_scaled_lr(0.1, 256, 8192) == pytest.approx(3.2)
+    assert [dp.warmup_lr(s, 1.0, 4) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert dp.warmup_lr(0, 0.8, 8, start_lr=0.1) == pytest.approx(0.1)
+    assert dp.warmup_lr(3, 0.5, 0) == 0.5
+    for bad in (lambda: dp.equal_split_utilisation([]), lambda: dp.linear_scaled_lr(0.1, 0, 4),
+                lambda: dp.warmup_lr(-1, 1.0, 4)):
+        with pytest.raises(ValueError):
+            bad()

@@ -3,8 +3,9 @@
 Naive DDP, ``BucketedDDP`` (micro-batches in ``no_sync``) and torch's DistributedDataParallel
 against single-process training, ZeRO-1 against single-process Adam and torch's
 ZeroRedundancyOptimizer, ZeRO-2 against single-process Adam, ``FullyShardedBlock`` (ZeRO-3) against
-single-process training and torch's FSDP2 (``fully_shard``); then the step time of each DDP and the
-optimizer-state bytes per rank:
+single-process training and torch's FSDP2 (``fully_shard``), a speed-proportional split with
+``weighted_average_gradients`` (ranks of made-up unequal speeds) against single-process training;
+then the step time of each DDP and the optimizer-state bytes per rank:
 
     torchrun --standalone --nproc_per_node N -m benchmarks.checks.data_parallel [--small]
 """
@@ -34,7 +35,7 @@ from course_lib.support.torchrun import entry_main, report_check
 
 __all__ = ["check"]
 
-_MODES = ("single", "naive", "bucketed", "torch_ddp", "zero1", "torch_zero", "zero2", "fsdp", "torch_fsdp2")
+_MODES = ("single", "naive", "bucketed", "torch_ddp", "zero1", "torch_zero", "zero2", "fsdp", "torch_fsdp2", "weighted")
 
 
 def _train(case: TrainCase, mode: str, device: torch.device) -> tuple[nn.Module, Any]:
@@ -45,7 +46,8 @@ def _train(case: TrainCase, mode: str, device: torch.device) -> tuple[nn.Module,
     DistributedDataParallel; "zero1" is ``ZeroStage1Optimizer`` and "torch_zero" torch's DDP with
     ``ZeroRedundancyOptimizer`` (Adam); "zero2" is ``ZeroStage2Optimizer``; "fsdp" wraps every block
     of ``case.blocks()`` in ``FullyShardedBlock`` and "torch_fsdp2" applies ``fully_shard`` to every
-    block and to the model. Micro-batches but the last run in ``no_sync()``.
+    block and to the model; "weighted" gives rank r a share of every batch in proportion to a speed of
+    r + 1 and averages with ``weighted_average_gradients``. Micro-batches but the last run in ``no_sync()``.
     """
     if mode not in _MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {_MODES}")
@@ -75,15 +77,24 @@ def _train(case: TrainCase, mode: str, device: torch.device) -> tuple[nn.Module,
     else:
         opt = case.make_optimizer(model.parameters())
     x, y = (t.to(device) for t in case.data())
+    counts = dp.speed_proportional_split(case.batch, [r + 1.0 for r in range(world)])
+    start = sum(counts[:rank])
     for s in range(case.steps):
         opt.zero_grad(set_to_none=True)
         for k in range(case.accumulation):
+            if mode == "weighted":
+                if counts[rank]:
+                    xs, ys = x[s, k, start:start + counts[rank]], y[s, k, start:start + counts[rank]]
+                    (F.mse_loss(model(xs), ys) / case.accumulation).backward()
+                continue
             xs, ys = dp.shard_batch((x[s, k], y[s, k]), rank, world)
             last = k == case.accumulation - 1
             with contextlib.nullcontext() if last or wrapper is None else wrapper.no_sync():
                 (F.mse_loss(net(xs), ys) / case.accumulation).backward()
         if mode == "naive":
             dp.average_gradients(model)
+        elif mode == "weighted":
+            dp.weighted_average_gradients(model, counts[rank], case.batch)
         elif isinstance(net, dp.BucketedDDP):  # mode == "bucketed"
             net.finish_gradient_sync()
         opt.step()
@@ -105,7 +116,7 @@ def _flat_params(model: nn.Module) -> torch.Tensor:
 
 
 def check(small: bool) -> dict[str, Any]:
-    """In every rank: naive, bucketed and torch DDP, ZeRO-1 and torch's ZeRO against single-process training; timings."""
+    """In every rank: naive, bucketed, torch and weighted DDP, ZeRO-1/2/3 and torch's against single-process training; timings."""
     world, device = dist.get_world_size(), rank_device()
     sizes = (6, 10, 4) if small else (512, 1024, 1024, 256)
     common: dict[str, Any] = dict(sizes=sizes, batch=4 * world, steps=3, bucket_cap_mb=1e-4 if small else 1.0)
@@ -114,7 +125,7 @@ def check(small: bool) -> dict[str, Any]:
     for case in (TrainCase(accumulation=2, **common), TrainCase(optimizer="adam", lr=0.01, seed=1, **common)):
         label = f"{case.optimizer} MLP{list(sizes)}"
         reference, reference_opt = _train(case, "single", device)
-        for mode in ("naive", "bucketed", "torch_ddp"):
+        for mode in ("naive", "bucketed", "torch_ddp", "weighted"):
             model, _ = _train(case, mode, device)
             report_check(f"{mode} {label}: params and grads vs single process", model, reference, **tol)
             if mode == "bucketed":

@@ -4,7 +4,8 @@ A ``TrainCase`` is a small regression MLP and its data, the same in every proces
 ``train_single_process`` trains it on the whole batch (what data parallelism must reproduce);
 ``train_naive_ddp``, ``train_bucketed_ddp``, ``train_zero1``, ``train_zero2`` and
 ``train_fully_sharded`` train it in a rank with a student's ``average_gradients``, ``BucketedDDP``,
-``ZeroStage1Optimizer``, ``ZeroStage2Optimizer`` or ``FullyShardedBlock``, and record what the
+``ZeroStage1Optimizer``, ``ZeroStage2Optimizer`` or ``FullyShardedBlock`` (``train_heterogeneous``:
+with a speed-proportional split and a weighted average of the gradients), and record what the
 mechanism did (the collectives, their bytes, when a handle was waited for, which gathered
 buffers were still alive); ``launch_exercise`` runs one of those in every rank, for every case,
 and the test compares what comes back.
@@ -41,6 +42,7 @@ __all__ = [
     "launch_exercise",
     "train_bucketed_ddp",
     "train_fully_sharded",
+    "train_heterogeneous",
     "train_naive_ddp",
     "train_single_process",
     "train_zero1",
@@ -401,6 +403,44 @@ def _train_fsdp2(case: TrainCase) -> list[torch.Tensor]:
             (F.mse_loss(model(xs), ys) / case.accumulation).backward()
         opt.step()
     return [cast(Any, p).full_tensor().detach().clone() for p in model.parameters()]
+
+
+def train_heterogeneous(student: tuple[Callable[..., Any], Callable[..., Any]], case: TrainCase,
+                        speeds: Sequence[float]) -> dict[str, Any]:
+    """In a rank: train ``case`` on a slice of each batch sized by ``split(batch, speeds)``, averaging with ``average``.
+
+    ``student`` is ``(split, average)``: ``split(global_batch, speeds)`` gives the samples per rank
+    (rank r takes the r-th contiguous slice) and ``average(model, local_count, global_count)`` turns
+    the local gradients into the full-batch one. A rank with no samples runs no backward (its
+    gradients stay None). Returns the split, the gradients of the first step, the final
+    parameters and the collectives of each step's averaging.
+    """
+    split, average = student
+    rank = dist.get_rank()
+    model = case.model()
+    opt = case.make_optimizer(model.parameters())
+    x, y = case.data()
+    counts = [int(c) for c in split(case.batch, list(speeds))]
+    if len(counts) != dist.get_world_size() or sum(counts) != case.batch or min(counts) < 0:
+        raise AssertionError(f"split({case.batch}, {list(speeds)}) gave {counts}: expected one non-negative count per "
+                             f"rank, summing to {case.batch}")
+    start = sum(counts[:rank])
+    first: list[torch.Tensor] = []
+    per_step: list[list[Call]] = []
+    for s in range(case.steps):
+        opt.zero_grad(set_to_none=True)
+        if counts[rank]:
+            xs, ys = x[s, 0, start:start + counts[rank]], y[s, 0, start:start + counts[rank]]
+            F.mse_loss(model(xs), ys).backward()
+        with record_collectives() as log:
+            average(model, counts[rank], case.batch)
+        per_step.append(log.calls)
+        if s == 0:
+            first = _grad_copies(model)
+        opt.step()
+    return {"counts": counts, "first_grads": first, "params": [p.detach().clone() for p in model.parameters()],
+            "comm": comm_summary(c for calls in per_step for c in calls),
+            "ops_per_step": [[c.op for c in calls] for calls in per_step]}
 
 
 def _each_case(worker: Callable[..., Any], student: Any, cases: Sequence[TrainCase], kwargs: dict[str, Any]) -> list[Any]:

@@ -193,3 +193,64 @@ class FullyShardedBlock(dp.FullyShardedBlock):
 ''',
     },
 }
+
+_HET_SPLIT_HEAD = ("from fractions import Fraction\n\n\n"
+                   "def speed_proportional_split(global_batch, speeds):\n")
+_HET_AVERAGE = _CELLS["ex8-solution"][_CELLS["ex8-solution"].index("@torch.no_grad()"):]
+_HET_SPLIT = _CELLS["ex8-solution"][:_CELLS["ex8-solution"].index("@torch.no_grad()")]
+
+WRONG["ex12_8_heterogeneous_dp"] = {
+    "a plain mean over the ranks (no weights)": _edited(
+        "ex8-solution", ("    flat *= local_count / global_count\n", "    flat /= dist.get_world_size()\n")),
+    "weighted, then divided by the world size as well": _edited(
+        "ex8-solution", ("    dist.all_reduce(flat, op=dist.ReduceOp.SUM)\n",
+                         "    dist.all_reduce(flat, op=dist.ReduceOp.SUM)\n    flat /= dist.get_world_size()\n")),
+    "an equal split whatever the speeds": _HET_SPLIT_HEAD + '''\
+    if global_batch < 0 or not speeds or any(not s > 0 for s in speeds):
+        raise ValueError("bad arguments")
+    n = len(speeds)
+    return [global_batch // n + (1 if r < global_batch % n else 0) for r in range(n)]
+
+
+''' + _HET_AVERAGE,
+    "each quota rounded to the nearest integer (need not sum to the batch)": _HET_SPLIT_HEAD + '''\
+    if global_batch < 0 or not speeds or any(not s > 0 for s in speeds):
+        raise ValueError("bad arguments")
+    total = sum(speeds)
+    low = 1 if global_batch >= len(speeds) else 0
+    return [max(low, round(global_batch * s / total)) for s in speeds]
+
+
+''' + _HET_AVERAGE,
+    "the floors' leftovers to the fastest ranks, not the largest remainders": _edited(
+        "ex8-solution", ("    order = sorted(range(n), key=lambda r: (counts[r] - quotas[r], r))"
+                         "  # largest remainder first\n",
+                         "    order = sorted(range(n), key=lambda r: (-speeds[r], r))\n")),
+    "no minimum of one sample per rank": _edited(
+        "ex8-solution", ("    for r in range(n):\n        if counts[r] == 0:\n"
+                         "            donor = max(range(n), key=lambda d: (counts[d], -d))\n"
+                         "            counts[donor] -= 1\n            counts[r] = 1\n", "")),
+    "a rank left with none takes its sample from the last of the largest ranks": _edited(
+        "ex8-solution", ("            donor = max(range(n), key=lambda d: (counts[d], -d))\n",
+                         "            donor = max(range(n), key=lambda d: (counts[d], d))\n")),
+    "fewer samples than ranks: the first ranks get one, whatever their speed": _edited(
+        "ex8-solution", ("        fastest = sorted(range(n), key=lambda r: (-speeds[r], r))[:global_batch]\n",
+                         "        fastest = list(range(global_batch))\n")),
+    "one all-reduce per parameter (weighted correctly)": _HET_SPLIT + '''@torch.no_grad()
+def weighted_average_gradients(model, local_count, global_count):
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.mul_(local_count / global_count)
+            dist.all_reduce(p.grad)
+''',
+    "calls the reference": '''
+def speed_proportional_split(global_batch, speeds):
+    return dp.speed_proportional_split(global_batch, speeds)
+
+
+def weighted_average_gradients(model, local_count, global_count):
+    dp.weighted_average_gradients(model, local_count, global_count)
+''',
+}
