@@ -1,6 +1,22 @@
-"""Chapter 16 (capstone): train the course GPT on one device with every single-device technique of the course.
+"""Chapter 16 (capstone): the course GPT trained with the course's own parts, and what each part buys.
 
-Two runs of the same model on the same batches, and what separates them:
+**The assembled run** (the chapter's last exercises). ``Parts`` is the seam: one field per part
+built in an earlier chapter (attention: 10, fused Adam: 08, mixed precision: 06, checkpointing:
+07, gradient averaging: 12), each defaulting to the course's reference; ``Techniques`` says which
+are switched on. ``assemble(parts, tech, run, mesh)`` builds the GPT (tensor-parallel blocks and
+data-parallel gradients over a ``hybrid`` mesh when one is given) and returns one training step;
+``ablation`` switches the techniques on one at a time and measures tokens/s, peak memory and MFU
+per row:
+
+    parts, run = capstone.Parts(), capstone.CapstoneRun.for_this_machine()
+    step = capstone.assemble(parts, capstone.Techniques(flash=True, bf16=True), run)
+    losses = [step(i) for i in range(5)]
+    rows = capstone.ablation(capstone.assemble, parts, run, capstone.TECHNIQUES, steps=5, peak_flops=1e12)
+
+``python -m benchmarks.capstone`` writes the GPU record of that ablation.
+
+**The all-at-once comparison** (kept for its committed H200 record). Two runs of the same model on
+the same batches, and what separates them:
 
     baseline   fp32 weights and math (TF32 off), eager mode, AdamW's default (foreach) kernels
     optimized  bf16 autocast (fp32 master weights), SDPA's FlashAttention / cuDNN kernel (is_causal),
@@ -22,18 +38,33 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from course_lib import env, models
+from course_lib.accumulation_checkpointing import checkpointed_sequential, plain_sequential
+from course_lib.attention import tiled_attention, tiled_attention_backward
 from course_lib.flops import checkpoint_blocks, device_peak_flops, step_flops, utilization
 from course_lib.optimizers import fused_supported
+from course_lib.support.dist import rank_device
+from course_lib.tensor_parallel import ParallelBlock
 
-__all__ = ["RunConfig", "RunResult", "compare", "device_peak_flops", "flops_per_step", "main", "train"]
+__all__ = [
+    "TECHNIQUES", "CapstoneRun", "PartAttention", "Parts", "RunConfig", "RunResult", "Techniques", "TiledFlashAttention",
+    "ablation", "assemble", "attention_from", "average_gradients", "bf16_autocast", "checkpointed_blocks", "compare",
+    "course_flash_attention", "device_peak_flops", "flops_per_step", "fused_adam", "load_solutions", "main",
+    "peak_memory", "tiled_flash_attention", "train", "triton_flash_attention",
+]
 
 PRESETS = {"tiny": models.GPTConfig.tiny, "gpt2-small": models.GPTConfig.small}
 
@@ -167,6 +198,358 @@ def compare(run: RunConfig, device: torch.device | None = None, progress: bool =
     base = train(run.baseline(), device, progress, peak)
     fast = train(run, device, progress, peak)
     return {"baseline": base, "optimized": fast, "speedup": fast.tokens_per_s / base.tokens_per_s}
+
+
+# ---- the assembled run: the course's parts behind one seam ---------------------------------------
+
+
+class TiledFlashAttention(torch.autograd.Function):
+    """FlashAttention from two of chapter 10's functions: a tiled forward that returns (out, lse), a backward from lse."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                forward_fn: Callable[..., Any], backward_fn: Callable[..., Any]) -> torch.Tensor:
+        """Output of attention; only Q, K, V, O and the logsumexp are kept for the backward pass."""
+        out, lse = forward_fn(q, k, v, causal, 16, 16)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.backward_fn = causal, backward_fn
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """dQ, dK, dV, block by block, from the saved logsumexp."""
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.backward_fn(q, k, v, out, lse, dout, ctx.causal, 16)
+        return dq, dk, dv, None, None, None
+
+
+def tiled_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """Attention of (batch, heads, seq, head_dim) tensors by chapter 10's tiled PyTorch kernels, with autograd."""
+    return TiledFlashAttention.apply(q, k, v, causal, tiled_attention, tiled_attention_backward)
+
+
+def attention_from(forward_fn: Callable[..., Any], backward_fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """An ``attention`` part from your chapter 10 ``tiled_attention`` and ``tiled_attention_backward``."""
+    return functools.partial(_attention_with, forward_fn, backward_fn)
+
+
+def _attention_with(forward_fn: Callable[..., Any], backward_fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    return TiledFlashAttention.apply(q, k, v, causal, forward_fn, backward_fn)
+
+
+def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """Chapter 10's Triton FlashAttention (``kernels.flash_attention.flash_attention``); for a GPU."""
+    from course_lib.kernels.flash_attention import flash_attention
+
+    return flash_attention(q, k, v, causal)
+
+
+def course_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """The course's FlashAttention for where the tensors are: the Triton kernel on a GPU, the tiled PyTorch one on a CPU."""
+    if q.is_cuda:
+        return triton_flash_attention(q, k, v, causal)
+    return tiled_flash_attention(q, k, v, causal)
+
+
+def fused_adam(params: Iterable[torch.Tensor], lr: float, step_fn: Callable[..., None] | None = None) -> torch.optim.Optimizer:
+    """Chapter 08's fused Adam: one kernel per step over a flat buffer (``kernels.fusion.FlatAdam``).
+
+    ``step_fn`` replaces the kernel launch: a function with the signature of chapter 08's
+    ``adam_step_(params, grads, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
+    decoupled)`` on flat fp32 buffers (yours, for example).
+    """
+    from course_lib.kernels.fusion import FlatAdam
+
+    params = list(params)
+    if not (params[0].is_cuda or env.INTERPRET):  # CPU ranks on a GPU host: no Triton for CPU tensors there
+        return torch.optim.Adam(params, lr=lr, foreach=True)
+    opt = FlatAdam(params, lr=lr)
+    if step_fn is not None:
+        launch = step_fn
+
+        @torch.no_grad()
+        def step(closure: Any = None) -> None:
+            for hyper, group in zip(opt.param_groups, opt.flat_groups):
+                opt._regather_grads(group)
+                group.step += 1
+                beta1, beta2 = hyper["betas"]
+                launch(group.flat_param, group.flat_grad, group.exp_avg, group.exp_avg_sq, step=group.step,
+                       lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
+                       weight_decay=hyper["weight_decay"], decoupled=hyper["decoupled"])
+
+        opt.step = step  # type: ignore[method-assign]
+    return opt
+
+
+def bf16_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Chapter 06's mixed precision: bf16 autocast on ``device``, fp32 master weights (bf16 needs no loss scaling)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+class _ReplayAutocast(nn.Module):
+    """Runs a module under the autocast state it was built in, so a checkpoint's recomputation matches the forward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.device_type = "cuda" if torch.is_autocast_enabled("cuda") else "cpu"
+        self.enabled = torch.is_autocast_enabled(self.device_type)
+        self.dtype = torch.get_autocast_dtype(self.device_type)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+            return self.module(x)
+
+
+def checkpointed_blocks(modules: Sequence[nn.Module], segments: int, x: torch.Tensor) -> torch.Tensor:
+    """Chapter 07's ``checkpointed_sequential``, with each module replayed under the forward's autocast state.
+
+    Chapter 07's ``CheckpointSegment`` reruns a segment in the backward pass, where no autocast is
+    active: under bf16 autocast the recomputed activations would be fp32, not the forward's bf16.
+    """
+    return checkpointed_sequential([_ReplayAutocast(m) for m in modules], segments, x)
+
+
+def average_gradients(model: nn.Module, group: Any = None) -> None:
+    """Chapter 12's naive DDP over ``group``: every gradient replaced by its mean over the group's ranks."""
+    size = dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(size)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The seam between the earlier chapters and the capstone: one field per part, each with its call signature.
+
+    attention(q, k, v, causal) -> out        (batch, heads, seq, head_dim); chapter 10
+    optimizer(params, lr) -> Optimizer       a fused Adam; chapter 08
+    autocast(device) -> context manager      mixed precision; chapter 06
+    checkpoint(modules, segments, x) -> y    activation checkpointing; chapter 07
+    average_gradients(model, group)          gradients averaged over a process group; chapter 12
+
+    The defaults are the course's references (attention on CPU tensors is chapter 10's tiled PyTorch
+    version, on GPU tensors its Triton kernel). ``Parts(attention=my_flash_attention)`` plugs in your own.
+    """
+
+    attention: Callable[..., torch.Tensor] = course_flash_attention
+    optimizer: Callable[..., torch.optim.Optimizer] = fused_adam
+    autocast: Callable[[torch.device], contextlib.AbstractContextManager[Any]] = bf16_autocast
+    checkpoint: Callable[..., torch.Tensor] = checkpointed_blocks
+    average_gradients: Callable[..., None] = average_gradients
+
+
+TECHNIQUES = ("flash", "bf16", "fused_adam", "checkpointing")
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """Which parts a run uses; each off means the plain PyTorch way (SDPA, fp32, ``torch.optim.Adam``, no checkpointing)."""
+
+    flash: bool = False
+    bf16: bool = False
+    fused_adam: bool = False
+    checkpointing: bool = False
+
+    def on(self) -> list[str]:
+        """The names of the techniques switched on."""
+        return [name for name in TECHNIQUES if getattr(self, name)]
+
+
+@dataclass(frozen=True)
+class CapstoneRun:
+    """The model, the data and the optimizer's learning rate of an assembled run; the same for every layout."""
+
+    model: models.GPTConfig = field(default_factory=lambda: models.GPTConfig(seq_len=32))
+    batch_size: int = 8
+    lr: float = 3e-3
+    seed: int = 0
+
+    @classmethod
+    def for_this_machine(cls) -> CapstoneRun:
+        """The tiny GPT at 8 x 32 tokens on a CPU; GPT-2 small at 16 x 1024 tokens on a GPU."""
+        return env.pick(cpu=cls(), gpu=cls(models.GPTConfig.small(), batch_size=16, lr=6e-4))
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of step ``step`` (batch_size, seq_len), on the CPU.
+
+        Every row cycles through one random pattern of 16 tokens (the same at every step), from a
+        start drawn anew per step, so the model can learn it and the loss falls.
+        """
+        cfg = self.model
+        pattern = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(self.seed))[:16]
+        starts = torch.randint(16, (self.batch_size, 1), generator=torch.Generator().manual_seed(self.seed + 1 + step))
+        tokens = pattern[(starts + torch.arange(cfg.seq_len + 1)) % 16]
+        return tokens[:, :-1], tokens[:, 1:]
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one global batch."""
+        return self.batch_size * self.model.seq_len
+
+
+class PartAttention(nn.Module):
+    """A block's attention (``models.CausalSelfAttention`` or ``tensor_parallel.ParallelAttention``) with its kernel replaced.
+
+    The projections stay the module's own (column- and row-parallel under TP); only the
+    ``softmax(q k^T) v`` in between is ``fn(q, k, v, causal=True)``.
+    """
+
+    def __init__(self, attn: nn.Module, fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.qkv: nn.Module = attn.qkv  # type: ignore[assignment]
+        self.proj: nn.Module = attn.proj  # type: ignore[assignment]
+        self.resid_dropout: nn.Module = attn.resid_dropout  # type: ignore[assignment]
+        self.head_dim: int = attn.head_dim  # type: ignore[assignment]
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, _ = x.shape
+        q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = self.fn(q, k, v, True)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, -1)))
+
+
+def assemble(parts: Parts, tech: Techniques, run: CapstoneRun, mesh: Any = None) -> Callable[[int], float]:
+    """Build the run's GPT with the parts ``tech`` switches on; return ``step(i)``, one training step on batch i.
+
+    ``step(i)`` returns the loss of the global batch i (a float: with data parallelism, the mean
+    of the dp ranks' losses). ``mesh`` (a ``hybrid.MeshGroups`` with dims "dp" and "tp", or None for
+    one process): every block is tensor-parallel over the tp group (chapter 13), each dp rank takes
+    its slice of the batch and gradients are averaged over the dp group (chapter 12).
+    """
+    device = rank_device() if mesh is not None else env.DEVICE
+    model = models.GPT(run.model, seed=run.seed)
+    dp = tp = 1
+    if mesh is not None:
+        dp, tp = len(mesh.ranks["dp"]), len(mesh.ranks["tp"])
+        model.blocks = nn.ModuleList(ParallelBlock.from_module(b, mesh.coords["tp"], tp, group=mesh.groups["tp"])  # type: ignore[arg-type]
+                                     for b in model.blocks)
+    if tech.flash:
+        for block in model.blocks:
+            block.attn = PartAttention(block.attn, parts.attention)  # type: ignore[arg-type]
+    model = model.to(device)
+    if tech.fused_adam:
+        opt = parts.optimizer(model.parameters(), run.lr)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=run.lr, foreach=False)
+    if run.batch_size % dp:
+        raise ValueError(f"batch_size={run.batch_size} does not split over dp={dp}")
+    per = run.batch_size // dp
+    d = mesh.coords["dp"] if mesh is not None else 0
+
+    def step(i: int) -> float:
+        x, y = (t[d * per:(d + 1) * per].to(device) for t in run.batch(i))
+        opt.zero_grad()
+        with parts.autocast(device) if tech.bf16 else contextlib.nullcontext():
+            h = model.embed(x)
+            h = parts.checkpoint(model.blocks, len(model.blocks), h) if tech.checkpointing else \
+                plain_sequential(list(model.blocks), h)
+            logits = model.unembed(h)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        if dp > 1:
+            parts.average_gradients(model, mesh.groups["dp"])
+        opt.step()
+        value = loss.detach().float().reshape(1)
+        if dp > 1:
+            dist.all_reduce(value, group=mesh.groups["dp"])
+            value /= dp
+        return float(value)
+
+    return step
+
+
+# ---- the ablation: one change per row ------------------------------------------------------------
+
+
+def peak_memory(fn: Callable[[], Any], device: torch.device | None = None) -> int:
+    """Peak bytes while ``fn()`` runs: the allocator's peak on a GPU; on a CPU, the peak of what autograd saved.
+
+    (A CPU has no allocator statistics: there the figure is the activations kept for the backward
+    pass, counted by saved-tensor hooks, parameters excluded; it shows what checkpointing and bf16 save.)
+    """
+    device = device or env.DEVICE
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    live: dict[int, int] = {}
+    peak = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal peak
+        if not isinstance(t, nn.Parameter) and t.untyped_storage().data_ptr() not in live:
+            live[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            peak = max(peak, sum(live.values()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return peak
+
+
+def ablation(assemble_fn: Callable[..., Callable[[int], float]], parts: Parts, run: CapstoneRun,
+             order: Sequence[str], steps: int, peak_flops: float, warmup: int = 1) -> list[dict[str, Any]]:
+    """Rows of an ablation: the plain run, then each technique of ``order`` switched on in turn, one per row.
+
+    Each row: ``added`` (the technique switched on in this row, None for the first), ``techniques``
+    (the names on), ``losses`` (of the ``warmup + steps`` steps), ``tokens_per_s`` (over the
+    ``steps`` timed steps), ``peak_bytes`` (``peak_memory`` of one more step) and ``mfu`` (model
+    FLOPs of a step, ``flops.step_flops``, over ``peak_flops`` x the step time).
+    """
+    model_flops = step_flops(run.model, run.batch_size)[0]
+    tech = Techniques()
+    rows = []
+    for added in [None, *order]:
+        if added is not None:
+            tech = replace(tech, **{added: True})
+        step = assemble_fn(parts, tech, run)
+        losses = [step(i) for i in range(warmup)]
+        start = time.perf_counter()
+        losses += [step(i) for i in range(warmup, warmup + steps)]
+        step_s = (time.perf_counter() - start) / steps
+        peak = peak_memory(functools.partial(step, warmup + steps))
+        rows.append({"added": added, "techniques": tech.on(), "losses": losses,
+                     "tokens_per_s": run.tokens_per_step / step_s, "peak_bytes": peak,
+                     "mfu": model_flops / (step_s * peak_flops)})
+    return rows
+
+
+def load_solutions(notebook: str | Path, names: Sequence[str]) -> dict[str, Any]:
+    """Your functions ``names`` from one of your chapter notebooks, to plug into ``Parts``.
+
+    Runs, in a fresh namespace of this kernel and in the notebook's order, the exercise (solution)
+    cells whole and, of every other code cell, only its ``import`` statements and its ``def`` and
+    ``class`` statements (helpers an exercise may use); then returns the requested names. No test,
+    experiment or plot runs. It executes your code: load only your own notebooks. KeyError names
+    what the notebook does not define.
+    """
+    import ast
+
+    import nbformat
+
+    nb = nbformat.read(str(notebook), as_version=4)
+    namespace: dict[str, Any] = {"__name__": f"solutions_of_{Path(notebook).stem}"}
+    keep = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue
+        if not cell.metadata.get("nbgrader", {}).get("solution"):
+            tree.body = [n for n in tree.body if isinstance(n, keep)]
+        exec(compile(tree, f"<{Path(notebook).name}>", "exec"), namespace)
+    missing = [n for n in names if n not in namespace]
+    if missing:
+        raise KeyError(f"{notebook} defines no {', '.join(missing)}")
+    return {n: namespace[n] for n in names}
 
 
 def _summary(result: dict) -> dict:

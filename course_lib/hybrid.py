@@ -13,6 +13,7 @@ fastest dimension: its ranks are neighbours, so they share a node (NVLink).
     # inside ranks (course_lib.support.dist.launch):
     groups = hybrid.new_mesh_groups((2, 2), ("dp", "tp"))   # every rank builds every group
     hybrid.train_dp_tp(case, dp=2, tp=2)                     # one replica per dp rank, split over tp
+    hybrid.train_pp_dp_tp(hybrid.PipelineCase(), 2, 2, 2)    # 8 ranks: a pipeline of tp-split stages, dp copies
 
 What a run must equal (the block trained in one process, and its shards) is in
 ``course_lib.exercises.hybrid``; the torchrun self-check is ``benchmarks.checks.hybrid``.
@@ -44,7 +45,9 @@ __all__ = [
     "mesh_groups",
     "mesh_rank",
     "new_mesh_groups",
+    "PipelineCase",
     "train_dp_tp",
+    "train_pp_dp_tp",
 ]
 
 
@@ -199,3 +202,92 @@ def train_dp_tp(case: HybridCase, dp: int, tp: int, *, mesh: MeshGroups | None =
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return {"model": model.cpu(), "step_s": float(np.median(times)), "coords": (d, t)}
+
+
+# ---- a PP x DP x TP training run ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineCase(HybridCase):
+    """``HybridCase`` with a stack of ``n_blocks`` blocks (split into pipeline stages) and ``micro_batches`` per step."""
+
+    n_blocks: int = 2
+    micro_batches: int = 2
+
+    def blocks(self) -> list[models.Block]:
+        """The single-device blocks every run starts from, block i seeded with ``seed + i``."""
+        with torch.random.fork_rng(devices=[]):
+            out = []
+            for i in range(self.n_blocks):
+                torch.manual_seed(self.seed + i)
+                out.append(models.Block(self.config()))
+            return out
+
+
+def train_pp_dp_tp(case: PipelineCase, pp: int, dp: int, tp: int, *, mesh: MeshGroups | None = None) -> dict[str, Any]:
+    """Inside ``pp * dp * tp`` ranks: a GPipe pipeline of tensor-parallel stages, with data parallelism across pipelines.
+
+    Mesh (pp, dp, tp), tp fastest. Rank (s, d, t) holds shard t of the blocks of stage s
+    (``n_blocks / pp`` consecutive blocks), runs the ``micro_batches`` micro-batches of data-parallel
+    shard d forward (receiving each input from stage s - 1, sending each output to stage s + 1:
+    the rank with the same d and t), then backward in the same order (gradients travel the other
+    way), averages its gradients over its dp group and steps. The last stage's loss is the MSE of
+    each micro-batch divided by their number, so the gradients equal one step on the whole batch.
+    Returns ``{"stage": the stage's blocks, "coords": (s, d, t), "step_s": seconds per step}``.
+    """
+    shape = (pp, dp, tp)
+    mesh = mesh or new_mesh_groups(shape, ("pp", "dp", "tp"))
+    s, d, t = mesh.coords["pp"], mesh.coords["dp"], mesh.coords["tp"]
+    if case.n_blocks % pp or case.global_batch % (dp * case.micro_batches):
+        raise ValueError(f"{case.n_blocks} blocks over pp={pp}, or batch {case.global_batch} over dp={dp} x "
+                         f"{case.micro_batches} micro-batches, do not divide")
+    dev = rank_device()
+    per_stage = case.n_blocks // pp
+    blocks = case.blocks()[s * per_stage:(s + 1) * per_stage]
+    stage = torch.nn.ModuleList(ParallelBlock.from_module(b, t, tp, group=mesh.groups["tp"]) for b in blocks).to(dev)
+    prev = mesh_rank((s - 1, d, t), shape) if s > 0 else None
+    after = mesh_rank((s + 1, d, t), shape) if s < pp - 1 else None
+    opt = torch.optim.SGD(stage.parameters(), lr=case.lr)
+    xs, ys = case.data()
+    per, m = case.global_batch // dp, case.micro_batches
+    times = []
+    for x, y in zip(xs, ys):
+        start = time.perf_counter()
+        x_mbs, y_mbs = x[d * per:(d + 1) * per].chunk(m), y[d * per:(d + 1) * per].chunk(m)
+        opt.zero_grad()
+        received, outputs = [], []
+        for k in range(m):  # all forwards (GPipe)
+            if prev is None:
+                h = x_mbs[k].to(dev)
+            else:
+                h = torch.empty(x_mbs[k].shape, device=dev)
+                dist.recv(h, prev)
+                h.requires_grad_(True)
+            received.append(h)
+            out = h
+            for block in stage:
+                out = block(out)
+            if after is not None:
+                dist.send(out.detach().contiguous(), after)
+            outputs.append(out)
+        for k in range(m):  # then all backwards, in the same order
+            if after is None:
+                (F.mse_loss(outputs[k], y_mbs[k].to(dev)) / m).backward()
+            else:
+                grad_out = torch.empty_like(outputs[k])
+                dist.recv(grad_out, after)
+                outputs[k].backward(grad_out)
+            if prev is not None:
+                input_grad = received[k].grad
+                assert input_grad is not None, "a received input requires grad, so the backward pass reaches it"
+                dist.send(input_grad.contiguous(), prev)
+        for p in stage.parameters():
+            grad = p.grad
+            assert grad is not None, "every parameter has a gradient after the backward pass"
+            dist.all_reduce(grad, group=mesh.groups["dp"])
+            grad /= dp
+        opt.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return {"stage": stage.cpu(), "coords": (s, d, t), "step_s": float(np.median(times))}

@@ -21,7 +21,8 @@ memory per GPU   model states: the ``P / (tp pp)`` parameters of one GPU under Z
                  ``2 s b h / (tp cp)`` input, plus one layer's full activations while it recomputes.
 time per step    compute: hardware FLOPs / (GPUs x peak x efficiency); pipeline bubble: compute x
                  (pp - 1) / m; communication: per-GPU wire bytes of each kind / the bandwidth of the
-                 link it crosses, not overlapped (a pessimistic, simple choice).
+                 link it crosses, not overlapped by default (a pessimistic, simple choice); the cluster's
+                 ``dp_overlap`` / ``tp_overlap`` hide those fractions of the dp / tp seconds under compute.
 MFU              model FLOPs (no recomputation) / (GPUs x peak x step time).
 """
 
@@ -46,6 +47,7 @@ __all__ = [
     "StepTime",
     "a100_cluster",
     "best_plan",
+    "broken_rules",
     "pick_best",
     "comm_wire_bytes",
     "config_problems",
@@ -99,6 +101,9 @@ class ClusterSpec:
 
     ``efficiency`` is the fraction of ``peak_flops`` that the large matrix multiplies of training
     reach in practice (0.6 by default: a typical figure for well-tuned bf16 GEMMs).
+    ``dp_overlap`` and ``tp_overlap`` are the fractions of the data- and tensor-parallel
+    communication that run under compute instead of after it (0 by default: nothing overlapped;
+    chapter 12's bucketed DDP hides most of the gradient all-reduce behind the backward pass).
     """
 
     name: str
@@ -109,6 +114,8 @@ class ClusterSpec:
     inter_node_bw: float
     peak_flops: float
     efficiency: float = 0.6
+    dp_overlap: float = 0.0
+    tp_overlap: float = 0.0
 
     @property
     def num_gpus(self) -> int:
@@ -172,39 +179,54 @@ RULES: dict[str, str] = {
     "batch": "dp * micro_batch divides the global batch",
     "zero_stage": "the ZeRO stage is 0, 1, 2 or 3",
     "zero_dp": "ZeRO (stage > 0) needs dp * cp > 1: it shards over the ranks that hold the same weights",
-    "zero_pp": ("no ZeRO stage 2 or 3 with pipeline parallelism (pp > 1): the course follows DeepSpeed, "
-                "whose pipeline engine allows ZeRO-1 only"),
+    "zero_pp": ("no ZeRO stage 2 or 3 with pipeline parallelism (pp > 1): DeepSpeed's restriction, not a law (its "
+                "pipeline engine supports ZeRO stage 1 only); the planner follows it"),
 }
 
 
-def config_problems(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig) -> dict[str, str]:
-    """The rules of ``RULES`` that ``cfg`` breaks, as {key: explanation with the numbers}; empty means valid."""
+def broken_rules(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig) -> set[str]:
+    """The keys of the ``RULES`` that ``cfg`` breaks; empty means valid (a degree below 1 is reported as ``positive`` alone)."""
     if min(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.micro_batch) < 1:
-        return {"positive": f"dp, tp, pp, cp and micro_batch must be >= 1, got {cfg.short()}"}
-    found = {}
+        return {"positive"}
+    broken = set()
     if cfg.num_gpus != cluster.num_gpus:
-        found["gpus"] = f"dp*tp*pp*cp = {cfg.num_gpus}, but the cluster has {cluster.num_gpus} GPUs"
+        broken.add("gpus")
     if cluster.gpus_per_node % cfg.tp:
-        found["tp_node"] = (
-            f"tp={cfg.tp} must divide the {cluster.gpus_per_node} GPUs of a node (tensor parallelism stays inside a node)"
-        )
+        broken.add("tp_node")
     if model.n_head % cfg.tp:
-        found["tp_heads"] = f"tp={cfg.tp} must divide the {model.n_head} attention heads"
+        broken.add("tp_heads")
     if model.n_layer % cfg.pp:
-        found["pp_layers"] = f"pp={cfg.pp} must divide the {model.n_layer} layers"
+        broken.add("pp_layers")
     if model.seq_len % cfg.cp:
-        found["cp_seq"] = f"cp={cfg.cp} must divide the sequence length {model.seq_len}"
+        broken.add("cp_seq")
     if model.global_batch % (cfg.dp * cfg.micro_batch):
-        found["batch"] = f"dp*micro_batch = {cfg.dp * cfg.micro_batch} must divide the global batch {model.global_batch}"
+        broken.add("batch")
     if cfg.zero not in (0, 1, 2, 3):
-        found["zero_stage"] = f"ZeRO stage must be 0, 1, 2 or 3, got {cfg.zero}"
+        broken.add("zero_stage")
     else:
         if cfg.zero > 0 and cfg.dp * cfg.cp == 1:
-            found["zero_dp"] = "ZeRO shards over data-parallel ranks; with dp*cp = 1 there is nothing to shard"
+            broken.add("zero_dp")
         if cfg.zero >= 2 and cfg.pp > 1:
-            found["zero_pp"] = (f"ZeRO stage {cfg.zero} with pipeline parallelism (pp={cfg.pp}): this planner, like DeepSpeed's "
-                                "pipeline engine, allows ZeRO-1 only with pp > 1")
-    return found
+            broken.add("zero_pp")
+    return broken
+
+
+def config_problems(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig) -> dict[str, str]:
+    """The rules ``cfg`` breaks (``broken_rules``), as {key: explanation with the numbers}; empty means valid."""
+    explain = {
+        "positive": f"dp, tp, pp, cp and micro_batch must be >= 1, got {cfg.short()}",
+        "gpus": f"dp*tp*pp*cp = {cfg.num_gpus}, but the cluster has {cluster.num_gpus} GPUs",
+        "tp_node": f"tp={cfg.tp} must divide the {cluster.gpus_per_node} GPUs of a node (tensor parallelism stays inside a node)",
+        "tp_heads": f"tp={cfg.tp} must divide the {model.n_head} attention heads",
+        "pp_layers": f"pp={cfg.pp} must divide the {model.n_layer} layers",
+        "cp_seq": f"cp={cfg.cp} must divide the sequence length {model.seq_len}",
+        "batch": f"dp*micro_batch = {cfg.dp * cfg.micro_batch} must divide the global batch {model.global_batch}",
+        "zero_stage": f"ZeRO stage must be 0, 1, 2 or 3, got {cfg.zero}",
+        "zero_dp": "ZeRO shards over data-parallel ranks; with dp*cp = 1 there is nothing to shard",
+        "zero_pp": (f"ZeRO stage {cfg.zero} with pipeline parallelism (pp={cfg.pp}): DeepSpeed's pipeline engine "
+                    "supports ZeRO stage 1 only, and this planner follows it"),
+    }
+    return {key: explain[key] for key in sorted(broken_rules(model, cluster, cfg), key=list(RULES).index)}
 
 
 # ---- memory -------------------------------------------------------------------------------------
@@ -317,11 +339,12 @@ class StepTime:
     hardware_flops: float
     num_gpus: int
     peak_flops: float
+    hidden: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
-        """Seconds of the step: compute, bubble and every kind of communication."""
-        return self.compute + self.bubble + sum(self.comm.values())
+        """Seconds of the step: compute, bubble and every kind of communication, less what ran under compute (``hidden``)."""
+        return self.compute + self.bubble + sum(self.comm.values()) - sum(self.hidden.values())
 
     @property
     def mfu(self) -> float:
@@ -335,14 +358,23 @@ class StepTime:
 
 
 def step_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig) -> StepTime:
-    """Time of one training step under ``cfg``: compute, pipeline bubble and each communication, per the module docstring."""
+    """Time of one training step under ``cfg``: compute, pipeline bubble and each communication, per the module docstring.
+
+    With ``cluster.dp_overlap`` or ``tp_overlap`` above 0, that fraction of the dp (tp) seconds is
+    ``hidden`` under compute: the dp share under the backward pass (at most 2/3 of the compute),
+    the tp share under the rest of the compute that the dp share left free.
+    """
     hw = hardware_flops(model, cfg.checkpointing)
     n = cfg.num_gpus
     compute = hw / (n * cluster.peak_flops * cluster.efficiency)
     bubble = compute * (cfg.pp - 1) / cfg.micro_batches(model)
     wire, bw = comm_wire_bytes(model, cfg), link_bandwidths(cluster, cfg)
     comm = {k: wire[k] / bw[k] for k in wire}
-    return StepTime(compute, bubble, comm, model_flops(model), hw, n, cluster.peak_flops)
+    hidden: dict[str, float] = {}
+    if cluster.dp_overlap > 0 or cluster.tp_overlap > 0:
+        hidden["dp"] = min(cluster.dp_overlap * comm["dp"], compute * 2 / 3)
+        hidden["tp"] = min(cluster.tp_overlap * comm["tp"], compute - hidden["dp"])
+    return StepTime(compute, bubble, comm, model_flops(model), hw, n, cluster.peak_flops, hidden)
 
 
 # ---- the planner --------------------------------------------------------------------------------

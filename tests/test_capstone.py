@@ -1,11 +1,18 @@
-"""Tests for course_lib.capstone: a tiny run trains, reports consistent numbers, and the CLI writes JSON."""
+"""Tests for course_lib.capstone: the assembled run against plain PyTorch and DP x TP, the ablation, the all-at-once run."""
 
+import dataclasses
+import functools
 import json
 import math
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-from course_lib import capstone, models
+from course_lib import capstone, hybrid, models
+from course_lib.attention import tiled_attention, tiled_attention_backward
+from course_lib.kernels.fusion import adam_step_
+from course_lib.support.dist import launch
 
 
 def test_flops_per_step_is_six_n_plus_attention():
@@ -50,3 +57,112 @@ def test_cli_writes_json(tmp_path, capsys):
     assert set(data) == {"baseline", "optimized", "speedup"}
     assert data["baseline"]["config"]["bf16"] is False and data["optimized"]["config"]["bf16"] is True
     assert "RESULT " in capsys.readouterr().out
+
+
+# ---- the assembled run and the ablation -------------------------------------------------------------
+
+RUN = capstone.CapstoneRun()
+
+
+def _losses(parts, tech, run=RUN, steps=3):
+    step = capstone.assemble(parts, tech, run)
+    return [step(i) for i in range(steps)]
+
+
+def test_plain_run_is_the_gpt_with_adam():
+    # Techniques all off: the course GPT's own forward, torch.optim.Adam, on the run's batches.
+    model = models.GPT(RUN.model, seed=RUN.seed)
+    opt = torch.optim.Adam(model.parameters(), lr=RUN.lr)
+    want = []
+    for i in range(3):
+        x, y = RUN.batch(i)
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    assert _losses(capstone.Parts(), capstone.Techniques()) == pytest.approx(want, rel=1e-6)
+    assert want[-1] < want[0]
+
+
+@pytest.mark.parametrize("name", ["flash", "fused_adam", "checkpointing"])
+def test_each_fp32_technique_changes_nothing_computed(name):
+    plain = _losses(capstone.Parts(), capstone.Techniques())
+    assert _losses(capstone.Parts(), capstone.Techniques(**{name: True})) == pytest.approx(plain, rel=1e-5)
+
+
+def test_bf16_close_and_checkpoint_replays_autocast():
+    plain = _losses(capstone.Parts(), capstone.Techniques())
+    bf16 = _losses(capstone.Parts(), capstone.Techniques(bf16=True))
+    both = _losses(capstone.Parts(), capstone.Techniques(bf16=True, checkpointing=True))
+    assert bf16 == pytest.approx(plain, rel=5e-3) and bf16 != plain
+    assert both == pytest.approx(bf16, rel=1e-6)  # the recomputation ran in bf16 as the forward did
+
+
+def test_parts_are_used_only_when_switched_on():
+    def half(q, k, v, causal):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal) * 0.5
+    parts = dataclasses.replace(capstone.Parts(), attention=half)
+    assert _losses(parts, capstone.Techniques()) == _losses(capstone.Parts(), capstone.Techniques())
+    plain = _losses(capstone.Parts(), capstone.Techniques())
+    assert _losses(parts, capstone.Techniques(flash=True)) != pytest.approx(plain, rel=1e-3)
+
+
+def test_own_parts_plug_in():
+    parts = capstone.Parts(attention=capstone.attention_from(tiled_attention, tiled_attention_backward),
+                           optimizer=functools.partial(capstone.fused_adam, step_fn=adam_step_))
+    tech = capstone.Techniques(flash=True, fused_adam=True)
+    assert _losses(parts, tech) == pytest.approx(_losses(capstone.Parts(), tech), rel=1e-6)
+
+
+def test_load_solutions_reads_exercise_cells(tmp_path):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("import math\nprint('experiment')\nraise RuntimeError('not run')"),
+        nbformat.v4.new_code_cell("def helper(x):\n    return math.sqrt(x)"),
+        nbformat.v4.new_code_cell("def mine(x):\n    return helper(x) + 1", metadata={"nbgrader": {"solution": True}}),
+    ])
+    path = tmp_path / "nb.ipynb"
+    nbformat.write(nb, str(path))
+    assert capstone.load_solutions(path, ["mine"])["mine"](4.0) == 3.0
+    with pytest.raises(KeyError, match="defines no absent"):
+        capstone.load_solutions(path, ["absent"])
+
+
+def _in_mesh(shape, tech):
+    mesh = hybrid.new_mesh_groups(shape, ("dp", "tp"))
+    step = capstone.assemble(capstone.Parts(), tech, RUN, mesh)
+    return [step(i) for i in range(3)]
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 2), (2, 1)])
+def test_dp_tp_mesh_matches_one_process(shape):
+    tech = capstone.Techniques(flash=True, fused_adam=True, checkpointing=True)
+    want = _losses(capstone.Parts(), tech)
+    for rank, got in enumerate(launch(_in_mesh, shape[0] * shape[1], shape, tech, timeout=300)):
+        assert got == pytest.approx(want, rel=1e-4), f"rank {rank}"
+
+
+def test_ablation_rows_one_change_each():
+    rows = capstone.ablation(capstone.assemble, capstone.Parts(), RUN, capstone.TECHNIQUES, steps=1, peak_flops=1e12)
+    assert [r["added"] for r in rows] == [None, *capstone.TECHNIQUES]
+    assert [len(r["techniques"]) for r in rows] == list(range(len(rows)))
+    flops = capstone.flops_per_step(RUN.model, RUN.batch_size)
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["peak_bytes"] > 0 and len(r["losses"]) == 2
+        assert math.isclose(r["mfu"], flops * r["tokens_per_s"] / RUN.tokens_per_step / 1e12, rel_tol=1e-9)
+    ck = capstone.TECHNIQUES.index("checkpointing") + 1
+    assert rows[ck]["peak_bytes"] < rows[ck - 1]["peak_bytes"]  # on a CPU: what autograd saved
+
+
+def test_benchmark_record_quick_on_cpu(tmp_path):
+    from benchmarks import capstone as bench
+
+    out = tmp_path / "rec.json"
+    if torch.cuda.is_available():
+        pytest.skip("the CPU smoke run needs a machine without a GPU")
+    assert bench.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["order"] == list(capstone.TECHNIQUES) and len(record["rows"]) == 5
+    assert record["rows"][0]["added"] is None and record["tokens_per_step"] == RUN.tokens_per_step

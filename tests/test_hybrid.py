@@ -1,5 +1,7 @@
 """Tests for course_lib.hybrid: mesh arithmetic, groups built by hand vs init_device_mesh, DP x TP vs one process."""
 
+import math
+
 import pytest
 
 from course_lib import hybrid
@@ -71,3 +73,29 @@ def test_torchrun_entry_small():
     result = run.result
     assert result["world_size"] == 2 and set(result["layouts"]) == {"dp1xtp2", "dp2xtp1"}
     assert all(v["step_s"] > 0 for v in result["layouts"].values())
+
+
+def _pp_dp_tp(case, pp, dp, tp):
+    from course_lib.exercises.hybrid import train_single_stack
+
+    out = hybrid.train_pp_dp_tp(case, pp, dp, tp)
+    s, _, t = out["coords"]
+    ref = train_single_stack(case)
+    per = case.n_blocks // pp
+    for i, block in enumerate(out["stage"]):
+        assert_matches_reference(block, reference_shard(ref[s * per + i], t, tp),
+                                 name=f"pp{pp}xdp{dp}xtp{tp} stage {s} block {i}", rtol=1e-4, atol=1e-5)
+    return out["coords"]
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (2, 1, 2), (4, 1, 1)])
+def test_pp_dp_tp_matches_single_process(shape):
+    case = hybrid.PipelineCase(steps=2, n_blocks=4 if shape[0] == 4 else 2, micro_batches=2)
+    coords = launch(_pp_dp_tp, math.prod(shape), case, *shape, timeout=300)
+    assert coords == [hybrid.mesh_coords(r, shape) for r in range(math.prod(shape))]
+
+
+def test_torchrun_entry_eight_ranks_adds_a_pipeline():
+    run = torchrun.run_entry("benchmarks.checks.hybrid", 8, "--small")
+    assert run.checks == ["mesh_dp4xtp2", "dp4xtp2_vs_single_process", "pp2xdp2xtp2_vs_single_process"], run.stdout
+    assert set(run.result["layouts"]) == {"dp4xtp2", "pp2xdp2xtp2"}

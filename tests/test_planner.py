@@ -1,5 +1,6 @@
 """Tests for course_lib.planner: the rules, the memory and time models, and the published figures they reproduce."""
 
+import dataclasses
 import math
 
 import pytest
@@ -141,3 +142,25 @@ def test_comm_wire_bytes_tensor_parallel(checkpointing):
     ring_all_reduce = 2 * (tp - 1) / tp * payload
     want = cfg.micro_batches(model) * model.n_layer * (6 if checkpointing else 4) * ring_all_reduce
     assert math.isclose(pl.comm_wire_bytes(model, cfg)["tp"], want)
+
+
+def test_overlap_hides_dp_and_tp_seconds_within_the_compute():
+    model = pl.ModelSpec("7B", 32, 4096, 32, 2048, 51200, 512)
+    cfg = pl.ParallelConfig(dp=16, tp=2, zero=1)
+    plain = pl.step_time(model, pl.dgx_h100(4), cfg)
+    assert plain.hidden == {}
+    half = pl.step_time(model, dataclasses.replace(pl.dgx_h100(4), dp_overlap=0.5, tp_overlap=0.5), cfg)
+    assert math.isclose(half.hidden["dp"], 0.5 * plain.comm["dp"]) and math.isclose(half.hidden["tp"], 0.5 * plain.comm["tp"])
+    assert math.isclose(half.total, plain.total - 0.5 * (plain.comm["dp"] + plain.comm["tp"]))
+    # Never more hidden than there is compute to hide it under: a slow link with full overlap.
+    slow = dataclasses.replace(pl.dgx_h100(4), inter_node_bw=1e8, dp_overlap=1.0, tp_overlap=1.0)
+    t = pl.step_time(model, slow, pl.ParallelConfig(dp=32))
+    assert math.isclose(t.hidden["dp"], t.compute * 2 / 3) and t.total > t.compute
+
+
+def test_overlap_changes_the_choice_for_7b_on_32_h100s():
+    # Nothing overlapped: a pipeline (pp4) wins; with 90% of dp and tp traffic under compute, no pipeline does.
+    model = pl.ModelSpec("7B", 32, 4096, 32, 2048, 51200, 512)
+    assert pl.plan(model, pl.dgx_h100(4))[0].config.pp == 4
+    overlapped = dataclasses.replace(pl.dgx_h100(4), dp_overlap=0.9, tp_overlap=0.9)
+    assert pl.plan(model, overlapped)[0].config.pp == 1

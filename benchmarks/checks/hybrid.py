@@ -10,6 +10,8 @@ matching shard of the block trained in one process. The RESULT holds each layout
 ``GROUP_RANK``: under ``--nnodes 2`` a dp x tp layout keeps every tp group inside one node, as a
 cluster must, since tensor parallelism talks in every layer). ``--small``: the default
 ``HybridCase`` (width 32); otherwise width 512, 8 heads, 256 tokens, 8 sequences per rank.
+On a multiple of 8 ranks one more check trains a pipeline too: pp2 x dp(N/4) x tp2
+(``hybrid.train_pp_dp_tp``), every stage's shards against the stack trained in one process.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import hybrid
-from course_lib.exercises.hybrid import reference_shard, train_single_block
+from course_lib.exercises.hybrid import reference_shard, train_single_block, train_single_stack
 from course_lib.support.dist import rank_device
 from course_lib.support.torchrun import entry_main, report_check
 
@@ -63,6 +65,16 @@ def check(small: bool) -> dict[str, Any]:
             "step_s": slowest.item(), "max_abs_err": err,
             "tp_group_nodes": sorted({tuple(nodes[r] for r in group) for group in tp_groups}),
         }
+    if world % 8 == 0:
+        pp, dp, tp = 2, world // 4, 2
+        pipe = hybrid.PipelineCase(d_model=case.d_model, n_head=case.n_head, seq_len=case.seq_len,
+                                   global_batch=2 * dp * 2, steps=2)
+        out = hybrid.train_pp_dp_tp(pipe, pp, dp, tp)
+        s, _, t = out["coords"]
+        ref = train_single_stack(pipe, rank_device())
+        name = f"pp{pp}xdp{dp}xtp{tp}_vs_single_process"
+        report_check(name, out["stage"][0], reference_shard(ref[s], t, tp), rtol=1e-4, atol=1e-5)  # one block per stage
+        result["layouts"][f"pp{pp}xdp{dp}xtp{tp}"] = {"step_s": out["step_s"]}
     return result
 
 

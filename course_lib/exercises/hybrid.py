@@ -2,7 +2,9 @@
 
 - ``train_single_block``: the case's block trained in one process on the whole batch;
 - ``reference_shard``: tensor-parallel shard t of that block, with the matching slices of its
-  gradients, to compare rank (d, t)'s result with.
+  gradients, to compare rank (d, t)'s result with;
+- ``train_single_stack``: a ``hybrid.PipelineCase``'s stack of blocks trained in one process, to
+  compare each pipeline stage's shards with (a PP x DP x TP run).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import models
-from course_lib.hybrid import HybridCase
+from course_lib.hybrid import HybridCase, PipelineCase
 from course_lib.tensor_parallel import ParallelBlock
 
-__all__ = ["reference_shard", "train_single_block"]
+__all__ = ["reference_shard", "train_single_block", "train_single_stack"]
 
 
 def train_single_block(case: HybridCase, device: torch.device | str = "cpu") -> models.Block:
@@ -45,3 +47,20 @@ def reference_shard(reference: models.Block, tp_rank: int, tp: int) -> ParallelB
     for p, g in zip(shard.parameters(), ParallelBlock.from_module(grads, tp_rank, tp).parameters()):
         p.grad = g.detach().clone()
     return shard
+
+
+def train_single_stack(case: PipelineCase, device: torch.device | str = "cpu") -> list[models.Block]:
+    """Train ``case``'s stack of blocks in one process on the whole batch; the last step's gradients stay in ``.grad``."""
+    blocks = case.blocks()
+    stack = torch.nn.ModuleList(blocks).to(device)  # moves the blocks themselves
+    opt = torch.optim.SGD(stack.parameters(), lr=case.lr)
+    xs, ys = case.data()
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        h = x.to(device)
+        for block in blocks:
+            h = block(h)
+        F.mse_loss(h, y.to(device)).backward()
+        opt.step()
+    stack.cpu()
+    return blocks
