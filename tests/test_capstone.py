@@ -62,6 +62,8 @@ def test_cli_writes_json(tmp_path, capsys):
 # ---- the assembled run and the ablation -------------------------------------------------------------
 
 RUN = capstone.CapstoneRun()
+# On a GPU the Triton FlashAttention's fp32 dot products run in TF32 (about 1e-4 relative on these losses).
+_FLASH_RTOL = 1e-3 if torch.cuda.is_available() else 1e-6
 
 
 def _losses(parts, tech, run=RUN, steps=3):
@@ -88,7 +90,7 @@ def test_plain_run_is_the_gpt_with_adam():
 @pytest.mark.parametrize("name", ["flash", "fused_adam", "checkpointing"])
 def test_each_fp32_technique_changes_nothing_computed(name):
     plain = _losses(capstone.Parts(), capstone.Techniques())
-    assert _losses(capstone.Parts(), capstone.Techniques(**{name: True})) == pytest.approx(plain, rel=1e-5)
+    assert _losses(capstone.Parts(), capstone.Techniques(**{name: True})) == pytest.approx(plain, rel=_FLASH_RTOL)
 
 
 def test_bf16_close_and_checkpoint_replays_autocast():
@@ -108,11 +110,11 @@ def test_parts_are_used_only_when_switched_on():
     assert _losses(parts, capstone.Techniques(flash=True)) != pytest.approx(plain, rel=1e-3)
 
 
-def test_own_parts_plug_in():
+def test_own_parts_plug_in():  # PyTorch attention against the course's Triton kernel on a GPU
     parts = capstone.Parts(attention=capstone.attention_from(tiled_attention, tiled_attention_backward),
                            optimizer=functools.partial(capstone.fused_adam, step_fn=adam_step_))
     tech = capstone.Techniques(flash=True, fused_adam=True)
-    assert _losses(parts, tech) == pytest.approx(_losses(capstone.Parts(), tech), rel=1e-6)
+    assert _losses(parts, tech) == pytest.approx(_losses(capstone.Parts(), tech), rel=_FLASH_RTOL)
 
 
 def test_load_solutions_reads_exercise_cells(tmp_path):
