@@ -38,7 +38,8 @@ def test_small_run_writes_every_section(tmp_path: Path) -> None:
     assert all(r["targets"][0]["kind"] == "time_factor" for r in ddp["rows"])
     assert set(ddp["overlap"]) == {"bucketed", "torch_ddp", "torch_ddp_view", "bucketed_hp", "torch_ddp_hp"}
     pipeline = sections["pipeline"]
-    assert "result" in pipeline and pipeline["checks"] == ["CHECK naive ok", "CHECK gpipe ok", "CHECK 1f1b ok"], pipeline
+    schedules = ["CHECK naive ok", "CHECK gpipe ok", "CHECK 1f1b ok", "CHECK interleaved ok"]
+    assert "result" in pipeline and pipeline["checks"] == schedules, pipeline
     report = (tmp_path / "multi_gpu.md").read_text()
     for heading in ("## All-reduce", "## DDP step", "## Pipeline bubble fraction"):
         assert heading in report
