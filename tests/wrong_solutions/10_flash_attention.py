@@ -5,21 +5,9 @@ cell (``_edited``: each edit must apply, so a change of the solution shows up he
 written out whole.
 """
 
-import json
-from pathlib import Path
+from tests.wrong_solutions.harness import solution_cells
 
-_NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "10_flash_attention" / "10_flash_attention.ipynb"
-_CELLS = {c["id"]: "".join(c["source"]) for c in json.loads(_NOTEBOOK.read_text(encoding="utf-8"))["cells"]}
-
-
-def _edited(cell_id: str, *edits: tuple[str, str]) -> str:
-    """The solution cell ``cell_id`` with each (old, new) replaced once."""
-    source = _CELLS[cell_id]
-    for old, new in edits:
-        if source.count(old) != 1:
-            raise ValueError(f"{cell_id}: the edit {old!r} does not match exactly once")
-        source = source.replace(old, new)
-    return source
+_CELLS, _edited = solution_cells("10_flash_attention")
 
 
 _DELTA = "delta = (dout.float() * out.float()).sum(-1)"  # the course's line, which three mistakes change

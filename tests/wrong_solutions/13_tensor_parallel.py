@@ -5,21 +5,9 @@ cell (``_edited``: each edit must apply, so a change of the solution shows up he
 written out whole.
 """
 
-import json
-from pathlib import Path
+from tests.wrong_solutions.harness import solution_cells
 
-_NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "13_tensor_parallel" / "13_tensor_parallel.ipynb"
-_CELLS = {c["id"]: "".join(c["source"]) for c in json.loads(_NOTEBOOK.read_text(encoding="utf-8"))["cells"]}
-
-
-def _edited(cell_id: str, *edits: tuple[str, str]) -> str:
-    """The solution cell ``cell_id`` with each (old, new) replaced once."""
-    source = _CELLS[cell_id]
-    for old, new in edits:
-        if source.count(old) != 1:
-            raise ValueError(f"{cell_id}: the edit {old!r} does not match exactly once")
-        source = source.replace(old, new)
-    return source
+_CELLS, _edited = solution_cells("13_tensor_parallel")
 
 
 _ALL_REDUCED = ("        total = {0}.clone(memory_format=torch.contiguous_format)\n"

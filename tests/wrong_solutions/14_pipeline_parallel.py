@@ -7,21 +7,9 @@ the order of point-to-point posts (an order gloo runs and NCCL hangs on), the or
 passes ran, the activation bytes held at the peak, and on which rank each virtual stage ran.
 """
 
-import json
-from pathlib import Path
+from tests.wrong_solutions.harness import solution_cells
 
-_NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "14_pipeline_parallel" / "14_pipeline_parallel.ipynb"
-_CELLS = {c["id"]: "".join(c["source"]) for c in json.loads(_NOTEBOOK.read_text(encoding="utf-8"))["cells"]}
-
-
-def _edited(cell_id: str, *edits: tuple[str, str], count: int = 1) -> str:
-    """The solution cell ``cell_id`` with each (old, new) replaced; each old must occur ``count`` times."""
-    source = _CELLS[cell_id]
-    for old, new in edits:
-        if source.count(old) != count:
-            raise ValueError(f"{cell_id}: the edit {old!r} does not match exactly {count} time(s)")
-        source = source.replace(old, new)
-    return source
+_CELLS, _edited = solution_cells("14_pipeline_parallel")
 
 
 # A send posted on its own with isend as soon as it is ready, the receive posted on its own and

@@ -7,21 +7,9 @@ once (no overlap), a non-contiguous buffer handed to a collective, a ring that g
 (the same as the right way with 2 ranks).
 """
 
-import json
-from pathlib import Path
+from tests.wrong_solutions.harness import solution_cells
 
-_NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "15_context_parallel" / "15_context_parallel.ipynb"
-_CELLS = {c["id"]: "".join(c["source"]) for c in json.loads(_NOTEBOOK.read_text(encoding="utf-8"))["cells"]}
-
-
-def _edited(cell_id: str, *edits: tuple[str, str]) -> str:
-    """The solution cell ``cell_id`` with each (old, new) replaced once."""
-    source = _CELLS[cell_id]
-    for old, new in edits:
-        if source.count(old) != 1:
-            raise ValueError(f"{cell_id}: the edit {old!r} does not match exactly once")
-        source = source.replace(old, new)
-    return source
+_CELLS, _edited = solution_cells("15_context_parallel")
 
 
 _FWD_WAIT = '''        o_b, l_b = cp.block_attention(q, k, v, scale=scale)

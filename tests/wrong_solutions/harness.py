@@ -26,7 +26,7 @@ import copy
 import os
 import runpy
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +38,7 @@ from autograder.course import is_test_cell, read_notebook
 from autograder.execute import TrustedExecute
 from autograder.tester import STUDENT_SIDE_KEY
 
-__all__ = ["HERE", "Outcome", "chapters_with_wrong_solutions", "grade_wrong_solutions", "wrong_solutions"]
+__all__ = ["HERE", "Outcome", "chapters_with_wrong_solutions", "grade_wrong_solutions", "solution_cells", "wrong_solutions"]
 
 HERE = Path(__file__).resolve().parent
 RIGHT = "the course's solution"
@@ -57,6 +57,26 @@ class Outcome:
 def chapters_with_wrong_solutions() -> list[str]:
     """Chapters that have a file of wrong solutions."""
     return sorted(p.stem for p in HERE.glob("[0-9][0-9]_*.py"))
+
+
+def solution_cells(chapter: str) -> tuple[dict[str, str], Callable[..., str]]:
+    """A chapter's solution cells by cell id, and ``edited(cell_id, *(old, new), count=1)``: a cell with edits applied.
+
+    Each ``old`` must occur exactly ``count`` times in the cell, so that a change of the course's
+    solution shows up as an error here rather than as a wrong solution that silently became right.
+    """
+    notebook = HERE.parents[1] / "solutions" / chapter / f"{chapter}.ipynb"
+    cells = {c.id: c.source for c in read_notebook(notebook).cells}
+
+    def edited(cell_id: str, *edits: tuple[str, str], count: int = 1) -> str:
+        source = cells[cell_id]
+        for old, new in edits:
+            if source.count(old) != count:
+                raise ValueError(f"{cell_id}: the edit {old!r} does not match exactly {count} time(s)")
+            source = source.replace(old, new)
+        return source
+
+    return cells, edited
 
 
 def wrong_solutions(chapter: str) -> dict[str, dict[str, str]]:
