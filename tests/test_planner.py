@@ -1,6 +1,7 @@
 """Tests for course_lib.planner: the rules, the memory and time models, and the published figures they reproduce."""
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -23,14 +24,12 @@ def test_megatron_table(row):
     P, a, h, L, tp, pp, n, B, tflops = row
     model = pl.ModelSpec(f"{P}B", L, h, a, 2048, 51200, B)
     assert round(model.num_params / 1e9, 1) == P
-    cfg = pl.ParallelConfig(dp=n // (tp * pp), tp=tp, pp=pp, checkpointing=True)
+    cfg = pl.ParallelConfig(dp=n // (tp * pp), tp=tp, pp=pp, recompute="full")
     cluster = pl.a100_cluster(n // 8)
     assert pl.config_problems(model, cluster, cfg) == {}
     t = pl.step_time(model, cluster, cfg)
     rel = t.hardware_flops_per_gpu / 1e12 / tflops - 1
-    assert -0.10 <= rel <= 0.25, rel
-    if P > 100:
-        assert abs(rel) <= 0.10, rel
+    assert abs(rel) <= 0.12, rel
     assert pl.memory_per_gpu(model, cfg).total < cluster.memory_bytes
 
 
@@ -47,8 +46,15 @@ def test_memory_model_parts():
     assert mem.states == mm.zero_memory_per_gpu(model.num_params / 4, 0, 2)
     per_layer = 34 * 2048 * 2 * 1024 / 2
     assert math.isclose(mem.activations, 2 * 4 * per_layer)
-    ck = pl.memory_per_gpu(model, pl.ParallelConfig(dp=2, tp=2, pp=2, micro_batch=2, checkpointing=True))
+    ck = pl.memory_per_gpu(model, pl.ParallelConfig(dp=2, tp=2, pp=2, micro_batch=2, recompute="full"))
     assert math.isclose(ck.activations, 2 * 4 * 2 * 2048 * 2 * 1024 / 2 + per_layer)
+    scores = 5 * 16 * 2048 * 2048 * 2 / 2
+    none = pl.memory_per_gpu(model, pl.ParallelConfig(dp=2, tp=2, pp=2, micro_batch=2, recompute="none"))
+    assert math.isclose(none.activations, 2 * 4 * (per_layer + scores))
+    no_sp = pl.memory_per_gpu(model, pl.ParallelConfig(dp=2, tp=2, pp=2, micro_batch=2, sequence_parallel=False))
+    assert math.isclose(no_sp.activations, 2 * 4 * 2048 * 2 * 1024 * (10 + 24 / 2))   # Korthikanti et al. 2022, eq. 2
+    inter = pl.memory_per_gpu(model, pl.ParallelConfig(dp=2, tp=2, pp=2, micro_batch=2, interleave=2))
+    assert math.isclose(inter.activations, mem.activations * (1 + 1 / 4))
 
 
 def test_rules():
@@ -84,8 +90,13 @@ def test_step_time_parts():
     cluster = pl.dgx_h100(2)
     cfg = pl.ParallelConfig(dp=4, tp=2, pp=2)
     t = pl.step_time(model, cluster, cfg)
-    assert math.isclose(t.compute, pl.model_flops(model) / (16 * cluster.peak_flops * 0.6))
+    assert math.isclose(t.compute, pl.compute_seconds(model, cluster, cfg))
+    hw = pl.hardware_flops(model, "selective")
+    assert math.isclose(sum(f for f, _ in pl.gemm_shapes(model, cfg)), hw)   # every FLOP is in one GEMM
+    assert t.compute >= hw / (16 * cluster.peak_flops * 0.6)                # the shape factor only slows
     assert math.isclose(t.bubble, t.compute * 1 / 16)
+    inter = pl.step_time(model, cluster, dataclasses.replace(cfg, interleave=2))
+    assert math.isclose(inter.bubble, inter.compute * 1 / 32) and math.isclose(inter.comm["pp"], 2 * t.comm["pp"])
     bw = pl.link_bandwidths(cluster, cfg)
     assert bw["tp"] == cluster.intra_node_bw and bw["pp"] == cluster.inter_node_bw and bw["dp"] == cluster.intra_node_bw
     assert math.isclose(t.mfu, pl.model_flops(model) / (16 * cluster.peak_flops * t.total))
@@ -117,11 +128,11 @@ def test_pick_best_matches_plan_and_breaks_ties_by_memory():
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_comm_wire_bytes_context_parallel(checkpointing):
+def test_comm_wire_bytes_context_parallel(checkpointing: bool) -> None:
     # Counted from the ring itself: one GPU's K and V shards are b (s/cp) h / tp values each (bf16).
     model = pl.ModelSpec("m", 8, 1024, 16, 4096, 50000, 64)
     b, cp, tp = 2, 4, 2
-    cfg = pl.ParallelConfig(dp=2, tp=tp, cp=cp, micro_batch=b, checkpointing=checkpointing)
+    cfg = pl.ParallelConfig(dp=2, tp=tp, cp=cp, micro_batch=b, recompute="full" if checkpointing else "selective")
     shard = b * (model.seq_len // cp) * model.d_model // tp * pl.BF16_BYTES
     forward = (cp - 1) * 2 * shard                  # K and V: cp - 1 shifts to the next rank
     backward = (cp - 1) * 2 * shard + (cp - 1) * 2 * shard  # K and V again, and the dK, dV accumulators
@@ -133,11 +144,11 @@ def test_comm_wire_bytes_context_parallel(checkpointing):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_comm_wire_bytes_tensor_parallel(checkpointing):
+def test_comm_wire_bytes_tensor_parallel(checkpointing: bool) -> None:
     # Megatron-LM: 2 all-reduces per layer in the forward, 2 in the backward, 2 more in a recomputed forward.
     model = pl.ModelSpec("m", 8, 1024, 16, 2048, 50000, 64)
     b, tp = 2, 4
-    cfg = pl.ParallelConfig(dp=2, tp=tp, micro_batch=b, checkpointing=checkpointing)
+    cfg = pl.ParallelConfig(dp=2, tp=tp, micro_batch=b, recompute="full" if checkpointing else "selective")
     payload = b * model.seq_len * model.d_model * pl.BF16_BYTES
     ring_all_reduce = 2 * (tp - 1) / tp * payload
     want = cfg.micro_batches(model) * model.n_layer * (6 if checkpointing else 4) * ring_all_reduce
@@ -164,3 +175,56 @@ def test_overlap_changes_the_choice_for_7b_on_32_h100s():
     assert pl.plan(model, pl.dgx_h100(4))[0].config.pp == 4
     overlapped = dataclasses.replace(pl.dgx_h100(4), dp_overlap=0.9, tp_overlap=0.9)
     assert pl.plan(model, overlapped)[0].config.pp == 1
+
+
+def test_gemm_shape_factor_is_measured_and_bounded():
+    assert pl.gemm_shape_factor(8192, 8192, 8192) > 0.9
+    assert pl.gemm_shape_factor(128, 64, 64) < 0.05
+    assert 0 < pl.gemm_shape_factor(2048, 2048, 128) < pl.gemm_shape_factor(2048, 2048, 2048) <= 1
+    assert pl.gemm_shape_factor(1, 1, 1) == pl.gemm_shape_factor(128, 64, 64)       # clamped to the grid
+    assert pl.gemm_shape_factor(1e6, 1e6, 1e6) == pl.gemm_shape_factor(16384, 32768, 32768)
+
+
+def test_mesh_links_checks_every_group():
+    assert pl.mesh_links([("pp", 2), ("dp", 2), ("tp", 4)], 8) == {"pp": False, "dp": True, "tp": True}
+    assert pl.mesh_links([("dp", 3), ("tp", 4)], 6) == {"dp": False, "tp": False}      # ranks 4-7 straddle two nodes
+    assert pl.mesh_links([("tp", 4), ("dp", 3)], 6) == {"tp": False, "dp": True}
+    assert pl.mesh_links([("tp", 1), ("dp", 16)], 8) == {"tp": True, "dp": False}
+
+
+def test_mesh_order_beats_heaviest_first():
+    four = pl.ClusterSpec("4-GPU nodes", 4, 4, 80e9, 300e9, 25e9, 989e12)
+    degrees, wire = {"tp": 4, "cp": 2, "dp": 2}, {"tp": 10e9, "cp": 9e9, "dp": 8e9}
+    order, seconds = pl.mesh_order(degrees, wire, four)
+    assert order[-2:] in (("cp", "dp"), ("dp", "cp")) and order[0] == "tp"             # cp and dp inside, tp across
+    greedy = pl.mesh_seconds(("dp", "cp", "tp"), degrees, wire, four)
+    assert sum(seconds.values()) < sum(greedy.values())
+    brute = min(sum(pl.mesh_seconds(o, degrees, wire, four).values()) for o in itertools.permutations(degrees))
+    assert math.isclose(sum(seconds.values()), brute)
+
+
+def test_fit_cheapest():
+    model = pl.ModelSpec("7B", 32, 4096, 32, 2048, 51200, 512)
+    node = pl.dgx_h100(1)
+    fits = pl.ParallelConfig(dp=8, zero=1)
+    assert pl.fit_cheapest(model, node, fits)[0] == fits
+    decision, options = pl.fit_cheapest(model, node, pl.ParallelConfig(dp=8))
+    assert list(options) == list(pl.FIT_MOVES)
+    fitting = [p for p in options.values() if p is not None and p.fits]
+    assert decision == min(fitting, key=lambda p: (p.time.total, p.memory.total)).config
+    assert options["micro_batch"] is None                                              # micro-batch 1 is odd
+    two = pl.ClusterSpec("2 x 4", 4, 2, 80e9, 300e9, 25e9, 989e12)
+    _, opts = pl.fit_cheapest(model, two, pl.ParallelConfig(dp=2, tp=4))
+    assert opts["tp"] is None                                                          # tp 8 leaves the node
+    _, opts = pl.fit_cheapest(model, two, pl.ParallelConfig(dp=4, pp=2, zero=1))
+    assert opts["zero"] is None                                                        # ZeRO 2 with a pipeline
+    assert pl.fit_cheapest(model, node, pl.ParallelConfig(dp=8, zero=3, recompute="full"), memory_limit=1e6)[0] is None
+
+
+def test_interleave_and_recompute_rules():
+    model = pl.ModelSpec("m", 12, 768, 12, 1024, 50304, 64)
+    c = pl.dgx_h100(1)
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(dp=8, interleave=2))) == {"interleave"}
+    assert pl.config_problems(model, c, pl.ParallelConfig(dp=4, pp=2, interleave=2)) == {}
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(dp=2, pp=4, interleave=2))) == {"pp_layers"}   # 8 chunks, 12 layers
+    assert set(pl.config_problems(model, c, pl.ParallelConfig(dp=8, recompute="some"))) == {"recompute"}
