@@ -11,95 +11,47 @@ _CELLS, _edited = solution_cells("16_hybrid_capstone")
 
 
 WRONG = {
-    "ex16_1_mesh_coords": {
-        "NumPy integers instead of Python ints": '''
-def mesh_coords(rank, shape):
-    if not 0 <= rank < math.prod(shape):
-        raise ValueError("rank out of range")
-    return tuple(np.unravel_index(rank, shape))
-''',
-        "no check for a negative rank": _edited(
-            "ex1-solution", ("    if not 0 <= rank < size:\n", "    if rank >= size:\n")),
-        "first dimension fastest": _edited("ex1-solution", ("for extent in reversed(shape):", "for extent in shape:")),
-        "calls the reference": '''
-def mesh_coords(rank, shape):
-    return hybrid.mesh_coords(rank, shape)
-''',
+    "ex16_1_mesh_order": {
+        "heaviest traffic fastest (the usual rule, not always the best)": """
+def mesh_order(degrees, wire_bytes, cluster):
+    order = tuple(sorted(degrees, key=lambda k: wire_bytes.get(k, 0.0)))  # lightest slowest, heaviest fastest
+    return order, pl.mesh_seconds(order, degrees, wire_bytes, cluster)
+""",
+        "a span that fits in a node counts as inside (groups that straddle a node boundary missed)": _edited(
+            "ex1-solution",
+            ("            inside = all(r // G == (r + (d - 1) * stride) // G for r in range(world) if (r // stride) % d == 0)\n",
+             "            inside = stride * d <= G\n")),
+        "tensor parallelism always fastest, the rest in the given order": """
+def mesh_order(degrees, wire_bytes, cluster):
+    order = tuple([k for k in degrees if k != "tp"] + (["tp"] if "tp" in degrees else []))
+    return order, pl.mesh_seconds(order, degrees, wire_bytes, cluster)
+""",
+        "first dimension fastest (strides taken from the wrong end)": _edited(
+            "ex1-solution", ("        for name in reversed(order):\n", "        for name in order:\n")),
+        "calls the reference": """
+def mesh_order(degrees, wire_bytes, cluster):
+    return pl.mesh_order(degrees, wire_bytes, cluster)
+""",
     },
-    "ex16_2_mesh_groups": {
-        "transpose instead of movedim (wrong group order in 3 dimensions)": _edited(
-            "ex2-solution", ("grid.movedim(dim, -1)", "grid.transpose(dim, -1)")),
-        "no ValueError for a dim outside the shape": _edited(
-            "ex2-solution", ("    if not -len(shape) <= dim < len(shape):\n"
-                             "        raise ValueError(f\"dim {dim} is outside a mesh of {len(shape)} dimensions\")\n", "")),
-        "calls the reference": '''
-def mesh_groups(shape, dim):
-    return hybrid.mesh_groups(shape, dim)
-''',
-    },
-    "ex16_3_memory_per_gpu": {
-        "all pp micro-batches in flight, even when there are fewer": _edited(
-            "ex3-solution", ("in_flight = min(cfg.pp, cfg.micro_batches(model))", "in_flight = cfg.pp")),
-        "ZeRO shards over dp only, not dp x cp": _edited(
-            "ex3-solution", ("cfg.zero, cfg.dp * cfg.cp)", "cfg.zero, cfg.dp)")),
-        "checkpointing without the layer being recomputed": _edited(
-            "ex3-solution", (" / cfg.tp + one_layer", " / cfg.tp")),
-        "calls the reference": '''
-def memory_per_gpu(model, cfg):
-    return pl.memory_per_gpu(model, cfg)
-''',
-    },
-    "ex16_4_step_time": {
-        "bubble over pp instead of m": _edited(
-            "ex4-solution", ("(cfg.pp - 1) / cfg.micro_batches(model)", "(cfg.pp - 1) / cfg.pp")),
-        "compute without the recomputation": _edited(
-            "ex4-solution", ("compute = hw / (", "compute = pl.model_flops(model) / (")),
-        "efficiency left out": _edited(
-            "ex4-solution", (" * cluster.peak_flops * cluster.efficiency)", " * cluster.peak_flops)")),
-        "calls the reference": '''
-def step_time(model, cluster, cfg):
-    return pl.step_time(model, cluster, cfg)
-''',
-    },
-    "ex16_5_broken_rules": {
-        "ZeRO-1 refused with a pipeline too": _edited(
-            "ex5-solution", ("if cfg.zero >= 2 and cfg.pp > 1:", "if cfg.zero >= 1 and cfg.pp > 1:")),
-        "the first broken rule only": '''
-def broken_rules(model, cluster, cfg):
-    if min(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.micro_batch) < 1:
-        return {"positive"}
-    checks = [("gpus", cfg.dp * cfg.tp * cfg.pp * cfg.cp != cluster.gpus_per_node * cluster.nodes),
-              ("tp_node", cluster.gpus_per_node % cfg.tp), ("tp_heads", model.n_head % cfg.tp),
-              ("pp_layers", model.n_layer % cfg.pp), ("cp_seq", model.seq_len % cfg.cp),
-              ("batch", model.global_batch % (cfg.dp * cfg.micro_batch)), ("zero_stage", cfg.zero not in (0, 1, 2, 3)),
-              ("zero_dp", cfg.zero > 0 and cfg.dp * cfg.cp == 1), ("zero_pp", cfg.zero >= 2 and cfg.pp > 1)]
-    for key, broken in checks:
-        if broken:
-            return {key}
-    return set()
-''',
-        "calls the planner's config_problems": '''
-def broken_rules(model, cluster, cfg):
-    return set(pl.config_problems(model, cluster, cfg))
-''',
-        "calls the reference": '''
-def broken_rules(model, cluster, cfg):
-    return pl.broken_rules(model, cluster, cfg)
-''',
-    },
-    "ex16_6_pick_best": {
-        "ties in time not broken by memory": _edited(
-            "ex6-solution", ("if best is None or (t.total, mem.total) < (best.time.total, best.memory.total):",
-                             "if best is None or t.total < best.time.total:")),
-        "memory_limit ignored": _edited(
-            "ex6-solution", ("limit = cluster.memory_bytes if memory_limit is None else memory_limit",
-                             "limit = cluster.memory_bytes")),
-        "illegal layouts not skipped": _edited(
-            "ex6-solution", ("        if pl.config_problems(model, cluster, cfg):\n            continue\n", "")),
-        "calls the reference": '''
-def pick_best(model, cluster, configs, memory_limit=None):
-    return pl.pick_best(model, cluster, configs, memory_limit)
-''',
+    "ex16_2_fit_cheapest": {
+        "picks the change that saves the most memory, not the fastest that fits": _edited(
+            "ex2-solution", ("key=lambda p: (p.time.total, p.memory.total)", "key=lambda p: (p.memory.total, p.time.total)")),
+        "raises tp, pp or cp without halving dp (no longer the same GPUs)": _edited(
+            "ex2-solution", ("dataclasses.replace(cfg, dp=cfg.dp // 2, **{dim: 2 * getattr(cfg, dim)})",
+                             "dataclasses.replace(cfg, **{dim: 2 * getattr(cfg, dim)})")),
+        "does not check the rules of the changed layout (tp across nodes, ZeRO 2 with a pipeline)": _edited(
+            "ex2-solution", ("        if moved is None or pl.config_problems(model, cluster, moved):\n",
+                             "        if moved is None:\n")),
+        "ignores memory_limit (always the cluster's memory)": _edited(
+            "ex2-solution", ("    limit = cluster.memory_bytes if memory_limit is None else memory_limit\n",
+                             "    limit = cluster.memory_bytes\n")),
+        "returns a faster option that does not fit": _edited(
+            "ex2-solution", ("    fitting = [p for p in options.values() if p is not None and p.fits]\n",
+                             "    fitting = [p for p in options.values() if p is not None]\n")),
+        "calls the reference": """
+def fit_cheapest(model, cluster, cfg, memory_limit=None):
+    return pl.fit_cheapest(model, cluster, cfg, memory_limit)
+""",
     },
     "ex16_7_assemble": {
         "its own SDPA attention: parts.attention never used": _edited(
