@@ -16,7 +16,9 @@ into its own output with the logsumexp merge of FlashAttention (Liu et al., 2023
   last shift brings them home.
 - ``allgather_attention_forward``: the alternative that all-gathers K and V first.
 - ``ulysses_attention`` (DeepSpeed-Ulysses): an all-to-all turns sequence shards of all heads into
-  the whole sequence of H/P heads, attention runs locally, an all-to-all turns it back.
+  the whole sequence of H/P heads, attention runs locally, an all-to-all turns it back; the
+  all-to-alls (``sequence_to_heads``, ``heads_to_sequence``) are differentiable through
+  ``SequenceToHeads`` / ``HeadsToSequence``, whose backward is the inverse all-to-all.
 - ``zigzag_indices`` / ``zigzag_shard`` / ``zigzag_unshard``, ``ring_step_work`` and
   ``causal_work_per_rank``: layouts and the causal work they give each rank.
 - ``kv_comm_bytes`` / ``kv_buffer_bytes`` / ``score_matrix_bytes`` / ``layer_comm_bytes`` /
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from course_lib import env
 from course_lib.attention import tiled_attention, tiled_attention_backward
@@ -42,7 +45,9 @@ from course_lib.support.timeline import Timeline
 __all__ = [
     "LAYOUTS",
     "STRATEGIES",
+    "HeadsToSequence",
     "RingAttention",
+    "SequenceToHeads",
     "allgather_attention_forward",
     "block_attention",
     "block_attention_backward",
@@ -66,6 +71,7 @@ __all__ = [
     "sequence_to_heads",
     "shard_sequence",
     "ulysses_attention",
+    "ulysses_attention_trainable",
     "zigzag_indices",
     "zigzag_shard",
     "zigzag_unshard",
@@ -504,7 +510,8 @@ def _check_heads(heads: int, world: int) -> None:
 def sequence_to_heads(x: torch.Tensor) -> torch.Tensor:
     """All-to-all: this rank's sequence shard of every head (b, n/P, H, d) -> the whole sequence of its H/P heads (b, n, H/P, d).
 
-    Head group j goes to rank j; from rank i comes sequence shard i of this rank's heads, stacked in rank order.
+    Head group j goes to rank j; from rank i comes sequence shard i of this rank's heads, stacked in
+    rank order. No autograd: ``SequenceToHeads`` is the differentiable version.
     """
     world = dist.get_world_size()
     b, m, h, d = x.shape
@@ -517,7 +524,10 @@ def sequence_to_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 def heads_to_sequence(x: torch.Tensor) -> torch.Tensor:
-    """The inverse all-to-all: the whole sequence of H/P heads (b, n, H/P, d) -> this rank's shard of all heads (b, n/P, H, d)."""
+    """The inverse all-to-all: the whole sequence of H/P heads (b, n, H/P, d) -> this rank's shard of all heads (b, n/P, H, d).
+
+    No autograd: ``HeadsToSequence`` is the differentiable version.
+    """
     world = dist.get_world_size()
     b, n, hp, d = x.shape
     if n % world:
@@ -529,18 +539,54 @@ def heads_to_sequence(x: torch.Tensor) -> torch.Tensor:
     return received.permute(1, 2, 0, 3, 4).reshape(b, n // world, world * hp, d)
 
 
+class SequenceToHeads(torch.autograd.Function):
+    """``sequence_to_heads`` with autograd: its backward is the inverse all-to-all of the gradient, ``heads_to_sequence``.
+
+    An all-to-all only moves elements (each lands once, somewhere else), so its Jacobian is a
+    permutation matrix, whose transpose is the inverse permutation.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return sequence_to_heads(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return heads_to_sequence(grad)
+
+
+class HeadsToSequence(torch.autograd.Function):
+    """``heads_to_sequence`` with autograd: its backward is ``sequence_to_heads`` of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return heads_to_sequence(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return sequence_to_heads(grad)
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                       scale: float | None = None) -> torch.Tensor:
     """This rank's (b, n/P, H, d) output of attention over the whole sequence, for contiguous sequence shards (b, n/P, H, d).
 
-    Three all-to-alls give each rank the whole sequence of H/P heads, attention runs there
-    (``block_attention``, the whole sequence as one block), and one all-to-all returns each rank
-    its own tokens. Needs H divisible by P (ValueError otherwise). Output in q's dtype.
+    Three all-to-alls (``SequenceToHeads``) give each rank the whole sequence of H/P heads,
+    attention runs there, and one all-to-all (``HeadsToSequence``) returns each rank its own
+    tokens. Differentiable: the backward pass makes the four all-to-alls the other way round (dO
+    in, dQ, dK, dV back). The local attention is PyTorch's ``scaled_dot_product_attention``, which
+    has a backward on every device (``block_attention`` runs a Triton kernel without autograd on
+    a GPU) and needs no lse here, since nothing is merged. Needs H divisible by P (ValueError
+    otherwise). Output in q's dtype.
     """
     _check_heads(q.shape[2], dist.get_world_size())
-    qh, kh, vh = (sequence_to_heads(t).transpose(1, 2) for t in (q, k, v))  # (b, H/P, n, d)
-    out, _ = block_attention(qh, kh, vh, causal=causal, scale=scale)
-    return heads_to_sequence(out.to(q.dtype).transpose(1, 2))
+    qh, kh, vh = (SequenceToHeads.apply(t).transpose(1, 2) for t in (q, k, v))  # (b, H/P, n, d)
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+    return HeadsToSequence.apply(out.transpose(1, 2))
+
+
+# The name chapter 15's Exercise 7 (the trainable Ulysses) asks for: the same function.
+ulysses_attention_trainable = ulysses_attention
 
 
 # --------------------------------------------------------------------------------------------
@@ -566,22 +612,28 @@ def kv_buffer_bytes(strategy: str, n: int, head_dim: int, world_size: int, batch
     raise ValueError(f"strategy must be 'ring' or 'allgather', got {strategy!r}")
 
 
-
 def layer_comm_bytes(strategy: str, n: int, heads: int, head_dim: int, world_size: int, kv_heads: int | None = None,
-                     batch: int = 1, itemsize: int = 2) -> int:
-    """Bytes each rank receives from other ranks in one attention forward: "ring", "allgather" or "ulysses".
+                     batch: int = 1, itemsize: int = 2, training: bool = False) -> int:
+    """Bytes each rank receives from other ranks in one attention forward (``training``: forward and backward).
 
-    Ring and all-gather: every other rank's K and V shard, once. Ulysses: of each of its four
-    all-to-alls (Q, K, V in, the output back), the (P-1)/P of a shard that comes from other ranks.
-    ``kv_heads`` (grouped-query attention) defaults to ``heads``.
+    Forward. Ring and all-gather: every other rank's K and V shard, once. Ulysses: of each of its
+    four all-to-alls (Q, K, V in, the output back), the (P-1)/P of a shard that comes from other ranks.
+    Backward (``training``). Ulysses: the same four all-to-alls the other way round (dO in, dQ,
+    dK, dV back), as many bytes again. Ring: K/V go round once more (P-1 shifts) and the dK/dV
+    accumulators make P shifts. All-gather: K/V kept from the forward, dK/dV reduce-scattered
+    (P-1 shards of each arrive). Gradients are counted at ``itemsize`` (the course's ring sends its
+    dK/dV accumulators in fp32 for fp16/bf16 inputs). ``kv_heads`` (grouped-query attention)
+    defaults to ``heads``.
     """
     kv_heads = heads if kv_heads is None else kv_heads
     shard_q = batch * (n // world_size) * heads * head_dim * itemsize
     shard_kv = batch * (n // world_size) * kv_heads * head_dim * itemsize
-    if strategy in ("ring", "allgather"):
-        return 2 * (world_size - 1) * shard_kv
+    if strategy == "ring":
+        return 2 * (world_size - 1) * shard_kv + (2 * (world_size - 1) + 2 * world_size) * shard_kv * training
+    if strategy == "allgather":
+        return 2 * (world_size - 1) * shard_kv * (1 + training)
     if strategy == "ulysses":
-        return (2 * shard_q + 2 * shard_kv) * (world_size - 1) // world_size
+        return (2 * shard_q + 2 * shard_kv) * (world_size - 1) // world_size * (1 + training)
     raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
 
 

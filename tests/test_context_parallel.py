@@ -9,7 +9,15 @@ import torch.distributed as dist
 from course_lib import context_parallel as cp
 from course_lib.attention import attention_lse, naive_attention
 from course_lib.exercises.checks import assert_close
-from course_lib.exercises.context_parallel import all_to_all_problem, observe, random_qkv, ring_problem
+from course_lib.exercises.context_parallel import (
+    all_to_all_backward_problem,
+    all_to_all_problem,
+    autograd_functions,
+    borrowed_backward_problem,
+    observe,
+    random_qkv,
+    ring_problem,
+)
 from course_lib.exercises.ranks import warm_up_autograd
 from course_lib.support import torchrun
 from course_lib.support.comm import record_collectives
@@ -108,6 +116,10 @@ def test_bytes_formulas() -> None:
     assert cp.layer_buffer_bytes("ulysses", 64, 8, 8, 4) == 4 * shard
     with pytest.raises(ValueError):
         cp.layer_buffer_bytes("tree", 64, 8, 8, 4)
+    # Training: Ulysses' backward repeats its four all-to-alls; the ring sends K/V again and dK/dV P times.
+    assert cp.layer_comm_bytes("ulysses", 64, 8, 8, 4, training=True) == 2 * cp.layer_comm_bytes("ulysses", 64, 8, 8, 4)
+    assert cp.layer_comm_bytes("ring", 64, 8, 8, 4, training=True) == (2 * 3 + 2 * 3 + 2 * 4) * shard
+    assert cp.layer_comm_bytes("allgather", 64, 8, 8, 4, training=True) == 2 * 2 * 3 * shard
 
 
 def _ring_case(q, k, v, dout, causal, layout):
@@ -144,6 +156,9 @@ def test_ring_attention_matches_full_attention(world: int, causal: bool, layout:
         # forward: P-1 K/V shifts; backward: P-1 K/V shifts and P dK/dV shifts
         shard = q.numel() // world * q.element_size()
         assert n_bytes == (world - 1) * 2 * shard * 2 + (world * 2 * shard if world > 1 else 0), n_bytes
+        if world > 1:
+            b, h, n, d = q.shape
+            assert n_bytes == cp.layer_comm_bytes("ring", n, h, d, world, batch=b, itemsize=8, training=True)
 
 
 def test_ring_attention_fp32_many_heads() -> None:
@@ -178,6 +193,72 @@ def test_ulysses_matches_full_attention(world: int, causal: bool) -> None:
         assert_close(back, q.tensor_split(world, dim=1)[rank])  # the two all-to-alls are inverses
         assert all_to_all_problem(traffic, 4 * shard) is None
         assert len(traffic.calls) == 4
+
+
+def _ulysses_backward_case(q, k, v, g_bhnd, causal, scale):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards = [t.tensor_split(world, dim=1)[rank].clone().requires_grad_(True) for t in (q, k, v)]
+    g = g_bhnd.transpose(1, 2).tensor_split(world, dim=1)[rank]  # a non-contiguous upstream gradient
+    assert not g.is_contiguous()
+    out, forward = observe(cp.ulysses_attention, *shards, causal=causal, scale=scale)
+    functions = autograd_functions(out)
+    with record_collectives() as log:
+        _, backward = observe(out.backward, g)
+    buffers_contiguous = all(c.contiguous for c in log.calls)
+    return out.detach(), [s.grad for s in shards], functions, forward, backward, buffers_contiguous
+
+
+@pytest.mark.parametrize(("world", "heads", "causal", "scale"), [(2, 4, False, None), (2, 2, True, 0.4), (3, 3, True, None),
+                                                                  (3, 6, False, 0.7)])
+def test_ulysses_backward_matches_full_attention(world: int, heads: int, causal: bool, scale: float | None) -> None:
+    q, k, v, g = random_qkv(2, heads, 4 * world, 5, torch.float64, seed=10 + world, count=4)  # (b, H, N, d)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    full = naive_attention(*leaves, causal=causal, scale=scale)
+    full.backward(g)
+    seq = [t.transpose(1, 2).contiguous() for t in (q, k, v)]  # Ulysses takes (b, N, H, d)
+    shard = seq[0].numel() // world * seq[0].element_size()
+    results = launch(_ulysses_backward_case, world, *seq, g, causal, scale, backend="gloo")
+    for rank, (out, grads, functions, forward, backward, contiguous) in enumerate(results):
+        assert_close(out, full.detach().transpose(1, 2).tensor_split(world, dim=1)[rank], name=f"rank {rank} output")
+        for name, got, leaf in zip("qkv", grads, leaves):
+            assert_close(got, leaf.grad.transpose(1, 2).tensor_split(world, dim=1)[rank], name=f"rank {rank} d{name}")
+        assert functions == ["course_lib.context_parallel.HeadsToSequence", "course_lib.context_parallel.SequenceToHeads"]
+        assert all_to_all_problem(forward, 4 * shard) is None
+        # backward: exactly the inverse all-to-alls, one for dO and three for dQ, dK, dV, contiguous
+        assert all_to_all_backward_problem(backward, shard) is None
+        assert [c[0] for c in backward.calls] == ["all_to_all_single"] * 4 and contiguous
+        assert sum(c[1] for c in backward.calls) * (world - 1) // world == cp.layer_comm_bytes(
+            "ulysses", 4 * world, heads, 5, world, batch=2, itemsize=8, training=True) // 2
+
+
+def _ulysses_order_case(q):
+    # The backward pass runs the output's all-to-all (sequence to heads) first, then the inputs' (heads to sequence).
+    x = q.tensor_split(dist.get_world_size(), dim=1)[dist.get_rank()].clone().requires_grad_(True)
+    calls: list[str] = []
+    originals = cp.sequence_to_heads, cp.heads_to_sequence
+    cp.sequence_to_heads = lambda t: calls.append("sequence_to_heads") or originals[0](t)
+    cp.heads_to_sequence = lambda t: calls.append("heads_to_sequence") or originals[1](t)
+    try:
+        out = cp.ulysses_attention(x, x, x)
+        calls.append("backward")
+        out.backward(torch.ones_like(out))
+    finally:
+        cp.sequence_to_heads, cp.heads_to_sequence = originals
+    return calls
+
+
+def test_ulysses_backward_is_the_inverse_all_to_all() -> None:
+    q = torch.randn(1, 4, 2, 3, dtype=torch.float64)
+    calls = launch(_ulysses_order_case, 2, q, backend="gloo")[0]
+    assert calls == ["sequence_to_heads"] * 3 + ["heads_to_sequence", "backward", "sequence_to_heads"] + \
+        ["heads_to_sequence"] * 3
+
+
+def test_borrowed_backward_problem() -> None:
+    assert borrowed_backward_problem(["__main__.SequenceToHeads", "__main__.HeadsToSequence"]) is None
+    assert "not yours" in (borrowed_backward_problem(["torch.distributed.nn.functional._AlltoAllSingle"]) or "")
+    assert "not yours" in (borrowed_backward_problem(["__main__.A", "course_lib.context_parallel.HeadsToSequence"]) or "")
+    assert "no torch.autograd.Function of yours" in (borrowed_backward_problem([]) or "")
 
 
 def _ulysses_error(q):
@@ -238,12 +319,32 @@ def test_ring_of_triton_blocks_on_two_gpus() -> None:
     assert_close(out, naive_attention(q, k, v, causal=True), rtol=3e-2, atol=3e-2)
 
 
+def _ulysses_bf16_backward(q, k, v, g):
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+    shards = [t.tensor_split(world, dim=1)[rank].to(dev, torch.bfloat16).requires_grad_(True) for t in (q, k, v)]
+    out = cp.ulysses_attention(*shards, causal=True)
+    out.backward(g.tensor_split(world, dim=1)[rank].to(dev, torch.bfloat16))
+    return [t.grad.float().cpu() for t in shards]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_ulysses_backward_on_two_gpus() -> None:
+    q, k, v, g = (t.transpose(1, 2).contiguous() for t in random_qkv(1, 4, 512, 64, seed=5, count=4))  # (b, N, H, d)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    naive_attention(*(t.transpose(1, 2) for t in leaves), causal=True).transpose(1, 2).backward(g)
+    for rank, grads in enumerate(launch(_ulysses_bf16_backward, 2, q, k, v, g)):
+        for got, leaf in zip(grads, leaves):
+            assert_close(got, leaf.grad.tensor_split(2, dim=1)[rank], rtol=5e-2, atol=5e-2)
+
+
 def test_torchrun_entry() -> None:
     run = torchrun.run_entry("benchmarks.checks.context_parallel", 2, "--small")
-    assert len(run.checks) == 10, run.stdout
+    assert len(run.checks) == 11, run.stdout
     result = run.result
     assert result["world_size"] == 2
     assert result["ring_forward_bytes_received_per_rank"] == result["ring_forward_bytes_formula"]
     assert result["ulysses_bytes_received_per_rank"] == result["ulysses_bytes_formula"]
+    assert result["ulysses_training_bytes_received_per_rank"] == result["ulysses_training_bytes_formula"]
     assert len(set(result["causal_zigzag_work_per_rank"])) == 1
     assert result["time_with_overlap_s"] > 0 and result["time_without_overlap_s"] > 0

@@ -4,7 +4,7 @@
 
 Three cases (non-causal; causal with the zigzag and with the contiguous layout), each checked on
 every rank's shard: the ring's output, the ring's dQ/dK/dV, the all-gather's output (9 checks);
-then Ulysses' causal output when the ranks divide the heads (1 check), and on GPUs the causal ring
+then Ulysses' causal output and dQ/dK/dV when the ranks divide the heads (2 checks), and on GPUs the causal ring
 in bf16, whose blocks run in chapter 10's Triton kernels (1 check).
 The RESULT holds the causal compute time per rank for both layouts next to the causal work per
 rank, the bytes each rank received in the ring (recorded) and the formula, the same for the
@@ -66,14 +66,24 @@ def check(small: bool) -> dict[str, Any]:
 
     result: dict[str, Any] = {}
     if h % world == 0:
-        ref = naive_attention(q, k, v, causal=True)
+        lq, lk, lv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        ref = naive_attention(lq, lk, lv, causal=True)
+        ref.backward(dout)
         seq_shard = functools.partial(cp.shard_sequence, rank=rank, world_size=world, layout="contiguous")
+        uq, uk, uv = (seq_shard(t).transpose(1, 2).contiguous().requires_grad_(True) for t in (q, k, v))
         with record_collectives() as ulysses_log:
-            uq, uk, uv = (seq_shard(t).transpose(1, 2).contiguous() for t in (q, k, v))
             out = cp.ulysses_attention(uq, uk, uv, causal=True)
-        report_check("ulysses_causal_forward", out.transpose(1, 2), seq_shard(ref), **tol)
+        report_check("ulysses_causal_forward", out.detach().transpose(1, 2), seq_shard(ref.detach()), **tol)
+        with record_collectives() as ulysses_back_log:
+            out.backward(seq_shard(dout).transpose(1, 2))
+        report_check("ulysses_causal_backward", [t.grad.transpose(1, 2) for t in (uq, uk, uv) if t.grad is not None],
+                     [seq_shard(t.grad) for t in (lq, lk, lv) if t.grad is not None], **tol)
         result["ulysses_bytes_received_per_rank"] = ulysses_log.bytes() * (world - 1) // world
         result["ulysses_bytes_formula"] = cp.layer_comm_bytes("ulysses", n, h, d, world, batch=b, itemsize=q.element_size())
+        result["ulysses_training_bytes_received_per_rank"] = (
+            (ulysses_log.bytes() + ulysses_back_log.bytes()) * (world - 1) // world)
+        result["ulysses_training_bytes_formula"] = cp.layer_comm_bytes("ulysses", n, h, d, world, batch=b,
+                                                                       itemsize=q.element_size(), training=True)
     if on_gpu and not small:
         zz = functools.partial(cp.shard_sequence, rank=rank, world_size=world, layout="zigzag")
         bq, bk, bv = (zz(t).to(torch.bfloat16) for t in (q, k, v))

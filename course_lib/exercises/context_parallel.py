@@ -7,7 +7,10 @@
   returns the result and a plain-data ``Traffic``.
 - ``ring_problem``: what is wrong with a ring's traffic (non-contiguous buffers, bytes received,
   transfers waited for at once instead of behind a block's compute), or None.
-- ``all_to_all_problem``: the same for Ulysses' all-to-alls.
+- ``all_to_all_problem``: the same for Ulysses' all-to-alls; ``all_to_all_backward_problem`` for
+  the all-to-alls of its backward pass, one by one.
+- ``autograd_functions``: the ``torch.autograd.Function`` classes in a tensor's autograd graph,
+  and ``borrowed_backward_problem``: whether the all-to-alls' backward is the student's own.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from course_lib import context_parallel as cp
 from course_lib.support.comm import record_collectives
 from course_lib.support.timeline import Timeline
 
-__all__ = ["Traffic", "all_to_all_problem", "observe", "random_qkv", "ring_problem"]
+__all__ = ["Traffic", "all_to_all_backward_problem", "all_to_all_problem", "autograd_functions", "borrowed_backward_problem",
+           "observe", "random_qkv", "ring_problem"]
 
 
 def random_qkv(batch: int, heads: int, n: int, d: int, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -132,4 +136,53 @@ def all_to_all_problem(traffic: Traffic, expected_bytes: int) -> str | None:
     if sent != expected_bytes:
         return (f"handed {sent} bytes to all-to-alls, expected {expected_bytes} (Q, K and V in, the output back: "
                 "four tensors the size of this rank's shard)")
+    return None
+
+
+def all_to_all_backward_problem(traffic: Traffic, shard_bytes: int) -> str | None:
+    """What is wrong with the traffic of Ulysses' backward pass (four contiguous all-to-alls of ``shard_bytes`` each), or None."""
+    problem = _not_contiguous(traffic)
+    if problem:
+        return f"in the backward pass, {problem}"
+    others = sorted({op for op, *_ in traffic.calls if op not in ("all_to_all", "all_to_all_single")})
+    if others:
+        return (f"the backward pass called {others}: the gradient of an all-to-all is the inverse all-to-all, "
+                "nothing else (an all-reduce moves P times the bytes, and the sum it makes is not needed)")
+    sizes = [c[1] for c in traffic.calls]
+    if sizes != [shard_bytes] * 4:
+        return (f"the backward pass handed {len(sizes)} all-to-all(s) of {sizes} bytes, expected 4 of {shard_bytes} "
+                "(the output's gradient to the heads layout, then dQ, dK and dV back to the sequence layout, each "
+                "as big as this rank's shard): is every backward an all-to-all of the gradient, in the gradient's dtype?")
+    return None
+
+
+def autograd_functions(t: torch.Tensor) -> list[str]:
+    """``module.qualname`` of every ``torch.autograd.Function`` class whose node is in ``t``'s autograd graph, sorted."""
+    found: set[str] = set()
+    seen: set[int] = set()
+    stack = [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        cls = getattr(node, "_forward_cls", None)  # set on the nodes of Python autograd Functions only
+        if cls is not None:
+            found.add(f"{cls.__module__}.{cls.__qualname__}")
+        stack.extend(parent for parent, _ in node.next_functions)
+    return sorted(found)
+
+
+def borrowed_backward_problem(functions: list[str]) -> str | None:
+    """Whether the all-to-alls' backward is someone else's: ``functions`` (``autograd_functions`` of the output) must
+    hold a Function of the student's and none of ``torch.distributed`` or ``course_lib``; None if all is well."""
+    borrowed = [f for f in functions if f.startswith(("torch.distributed.", "course_lib."))]
+    if borrowed:
+        return (f"the output's autograd graph holds {borrowed}: that backward is not yours "
+                "(torch.distributed.nn.functional's all-to-alls and the course's reference carry their own); "
+                "write the torch.autograd.Function subclasses and their backward yourself")
+    if not any(not f.startswith(("torch.", "course_lib.")) for f in functions):
+        return (f"no torch.autograd.Function of yours in the output's autograd graph (found {functions or 'none'}): "
+                "the output must come out of your Function's apply (e.g. HeadsToSequence.apply), so that autograd "
+                "runs your backward")
     return None

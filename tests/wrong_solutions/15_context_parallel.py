@@ -24,6 +24,28 @@ _CAUSAL_WAIT = "        if pending is not None:\n            kv = pending.wait()
 _BWD_POST = "        pending = cp.ring_shift(kv) if step < world - 1 else None  # next step's K/V, while this one computes\n"
 _BWD_DKV = "        dkv = cp.ring_shift(dkv).wait()  # on to the next rank; after the last step: home\n"
 _BWD_WAIT = "        if pending is not None:\n            kv = pending.wait()\n"
+_S2H_BWD = "        return cp.heads_to_sequence(grad)  # the inverse all-to-all, of the gradient\n"
+_H2S_BWD = "        return cp.sequence_to_heads(grad)\n"
+_STUBS = '''
+class SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        raise NotImplementedError()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError()
+
+
+class HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        raise NotImplementedError()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError()
+'''
 
 WRONG = {
     "ex15_1_merge_lse": {
@@ -170,6 +192,74 @@ def ulysses_attention(q, k, v, causal=False, scale=None):
         "calls the reference": '''
 def ulysses_attention(q, k, v, causal=False, scale=None):
     return cp.ulysses_attention(q, k, v, causal=causal, scale=scale)
+''',
+    },
+    "ex15_8_ulysses_backward": {
+        "backward reshapes the gradient locally, no communication": _edited(
+            "ex8-solution",
+            (_S2H_BWD, "        b, n, hp, d = grad.shape\n"
+                       "        return grad.reshape(b, n // dist.get_world_size(), hp * dist.get_world_size(), d)\n"),
+            (_H2S_BWD, "        b, m, h, d = grad.shape\n"
+                       "        return grad.reshape(b, m * dist.get_world_size(), h // dist.get_world_size(), d)\n")),
+        "backward makes the same all-to-all as the forward": _edited(
+            "ex8-solution", (_H2S_BWD, "        return cp.heads_to_sequence(grad)\n"),
+            (_S2H_BWD, "        return cp.sequence_to_heads(grad)\n")),
+        "backward hands non-contiguous chunks of the gradient to dist.all_to_all (gloo takes them, NCCL would not)": _edited(
+            "ex8-solution",
+            (_S2H_BWD, '''        world = dist.get_world_size()
+        received = [torch.empty_like(c, memory_format=torch.contiguous_format) for c in grad.chunk(world, dim=1)]
+        dist.all_to_all(received, list(grad.chunk(world, dim=1)))  # rank j gets its tokens of my heads
+        return torch.cat(received, dim=2)
+'''),
+            (_H2S_BWD, '''        world = dist.get_world_size()
+        received = [torch.empty_like(c, memory_format=torch.contiguous_format) for c in grad.chunk(world, dim=2)]
+        dist.all_to_all(received, list(grad.chunk(world, dim=2)))  # rank j gets my tokens of its heads
+        return torch.cat(received, dim=1)
+''')),
+        "backward all-reduces a zero-padded gradient instead of an all-to-all": _edited(
+            "ex8-solution", (_S2H_BWD, '''        world, rank = dist.get_world_size(), dist.get_rank()
+        b, n, hp, d = grad.shape
+        full = grad.new_zeros(b, n, hp * world, d)
+        full[:, :, rank * hp:(rank + 1) * hp] = grad
+        dist.all_reduce(full)  # every rank now holds every head's gradient of the whole sequence
+        return full.tensor_split(world, dim=1)[rank].contiguous()
+''')),
+        "gradient divided by the world size (a mean reflex)": _edited(
+            "ex8-solution", (_S2H_BWD, "        return cp.heads_to_sequence(grad) / dist.get_world_size()\n")),
+        "torch.distributed.nn.functional's all-to-all, whose backward is built in": _STUBS + '''
+
+def ulysses_attention_trainable(q, k, v, causal=False, scale=None):
+    import torch.distributed.nn.functional as dist_nn
+    world = dist.get_world_size()
+    b, m, h, d = q.shape
+
+    def to_heads(x):
+        send = x.reshape(b, m, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
+        received = dist_nn.all_to_all_single(torch.empty_like(send), send)
+        return received.permute(1, 0, 2, 3, 4).reshape(b, world * m, h // world, d)
+
+    def to_sequence(x):
+        send = x.reshape(b, world, m, h // world, d).permute(1, 0, 2, 3, 4).contiguous()
+        received = dist_nn.all_to_all_single(torch.empty_like(send), send)
+        return received.permute(1, 2, 0, 3, 4).reshape(b, m, h, d)
+
+    qh, kh, vh = (to_heads(t).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+    return to_sequence(out.transpose(1, 2))
+''',
+        "calls the reference": '''
+SequenceToHeads = cp.SequenceToHeads
+HeadsToSequence = cp.HeadsToSequence
+
+
+def ulysses_attention_trainable(q, k, v, causal=False, scale=None):
+    return cp.ulysses_attention_trainable(q, k, v, causal=causal, scale=scale)
+''',
+        "the course's Functions used directly, without Functions of one's own": '''
+def ulysses_attention_trainable(q, k, v, causal=False, scale=None):
+    qh, kh, vh = (cp.SequenceToHeads.apply(t).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+    return cp.HeadsToSequence.apply(out.transpose(1, 2))
 ''',
     },
 }
