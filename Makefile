@@ -44,7 +44,7 @@ ifeq ($(TORCH_BUILD),cpu)
 else
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
 endif
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e ".[course]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (Training at Speed)" >/dev/null
 	@touch $@
 

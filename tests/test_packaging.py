@@ -19,7 +19,8 @@ def _split(spec: str) -> tuple[str, str]:
 
 def test_environment_yml_matches_pyproject() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    pip_deps = dict(_split(s) for s in pyproject["project"]["dependencies"])
+    extras = pyproject["project"]["optional-dependencies"]
+    pip_deps = dict(_split(s) for s in pyproject["project"]["dependencies"] + [d for group in extras.values() for d in group])
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     conda_deps = {}
     for item in env["dependencies"]:
