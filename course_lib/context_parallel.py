@@ -413,11 +413,13 @@ def ring_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this rank's shards from the forward's ``out``, ``lse`` and ``dout``: K/V go round again with dK/dV.
 
-    At step s a rank holds block (r - s) mod P and that block's dK/dV so far; it adds its queries'
-    contribution and passes the accumulators on, while K/V for the next step are already in
-    flight (posted before the compute, waited for after it). After P steps the accumulators have
-    visited every rank, and one last shift brings each home. ``layout`` defaults to the chapter's
-    choice: zigzag when causal, contiguous otherwise. Gradients in the inputs' dtypes.
+    At step s a rank holds block (r - s) mod P. It computes its queries' contribution to that
+    block's dK/dV into a fresh buffer while two transfers are in flight: the next K/V block, and
+    the block's dK/dV accumulated so far, sent by rank r - 1 at the end of its step s - 1. After
+    the compute it adds what arrived and sends the sum on. After P steps the accumulators have
+    visited every rank, and the last shift, waited for at the end, brings each home. ``layout``
+    defaults to the chapter's choice: zigzag when causal, contiguous otherwise. Gradients in the
+    inputs' dtypes.
     """
     layout = layout or ("zigzag" if causal else "contiguous")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -428,9 +430,10 @@ def ring_attention_backward(
     lc = list(lse.to(dt).split(q.shape[-2] // n_chunks, dim=-1))
     dq = [torch.zeros(c.shape, dtype=dt, device=q.device) for c in qc]
     kv = [k.contiguous(), v.contiguous()]
-    dkv = [torch.zeros(k.shape, dtype=dt, device=k.device), torch.zeros(v.shape, dtype=dt, device=v.device)]
+    in_flight: _Pending | None = None  # the dK/dV of the block this rank holds next, on their way from rank - 1
     for step in range(world):
         pending_kv = ring_shift(kv) if step < world - 1 else None  # K/V do not change: send them on while computing
+        dkv = [torch.zeros(k.shape, dtype=dt, device=k.device), torch.zeros(v.shape, dtype=dt, device=v.device)]
         kc, vc = _split_chunks(kv[0], n_chunks), _split_chunks(kv[1], n_chunks)
         dkc, dvc = _split_chunks(dkv[0], n_chunks), _split_chunks(dkv[1], n_chunks)
         for qi, ki, diagonal in _pairs(layout, rank, (rank - step) % world, world, causal):
@@ -438,10 +441,15 @@ def ring_attention_backward(
             dq[qi] += gq
             dkc[ki] += gk  # views into dkv: accumulate in place
             dvc[ki] += gv
-        dkv = ring_shift(dkv).wait()  # on to the next rank; after the last step this is the shift home
+        if in_flight is not None:  # the block's earlier contributions arrived behind this compute
+            for mine, arrived in zip(dkv, in_flight.wait()):
+                mine += arrived
+        in_flight = ring_shift(dkv)  # on to the next rank; after the last step this is the shift home
         if pending_kv is not None:
             kv = pending_kv.wait()
-    return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    assert in_flight is not None  # the loop ran at least once
+    dk, dv = in_flight.wait()
+    return torch.cat(dq, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):

@@ -288,6 +288,24 @@ def test_ring_problem_tells_overlap_from_waiting_at_once() -> None:
             assert ring_problem(traffic, 3 * kv_bytes, 0) is not None  # the bytes are checked too
 
 
+def _ring_backward_traffic(q, k, v, dout, causal):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = "zigzag" if causal else "contiguous"
+    shards = [cp.shard_sequence(t, rank, world, layout) for t in (q, k, v, dout)]
+    out, lse = cp.ring_attention_forward(*shards[:3], causal=causal, layout=layout)
+    return observe(cp.ring_attention_backward, *shards[:3], out, lse, shards[3], causal=causal)[1]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_backward_hides_every_transfer_but_the_homecoming(causal: bool) -> None:
+    q, k, v, dout = random_qkv(1, 2, 12, 4, seed=3, count=4)
+    shard = q.numel() // 3 * q.element_size()
+    for traffic in launch(_ring_backward_traffic, 3, q, k, v, dout, causal, backend="gloo"):
+        # K/V: 2 shifts of 2 shards; dK/dV: 3 shifts of 2 shards, of which only the last (home) is not hidden
+        assert ring_problem(traffic, 2 * 2 * shard + 3 * 2 * shard, 2 * 2 * shard + 2 * 2 * shard) is None
+        assert ring_problem(traffic, 2 * 2 * shard + 3 * 2 * shard, 2 * 2 * shard + 3 * 2 * shard) is not None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("causal", [False, True])

@@ -100,7 +100,7 @@ def ring_problem(traffic: Traffic, expected_bytes: int, overlapped_bytes: int) -
 
     ``expected_bytes``: what the rank must receive in all (``irecv``/``recv``); ``overlapped_bytes``:
     how many of them must arrive behind compute, i.e. be posted before some block was computed and
-    waited for after it.
+    waited for after it (K/V in the forward; K/V and all but the homecoming dK/dV in the backward).
     """
     problem = _not_contiguous(traffic)
     if problem:
@@ -118,9 +118,10 @@ def ring_problem(traffic: Traffic, expected_bytes: int, overlapped_bytes: int) -
     hidden = sum(n for _, n, start, waited, async_op, _ in recvs
                  if async_op and waited is not None and any(start < t < waited for t in traffic.marks))
     if hidden < overlapped_bytes:
-        return (f"only {hidden} of the {overlapped_bytes} bytes of K/V that should arrive while this rank computes "
-                "did: the transfers were waited for at once. Post the exchange for step s+1 (batch_isend_irecv) "
-                "before computing step s's block, and wait for it after the compute")
+        return (f"only {hidden} of the {overlapped_bytes} bytes that should arrive while this rank computes did: "
+                "a transfer was waited for at once. Post the K/V exchange for step s+1 (batch_isend_irecv) before "
+                "computing step s's block and wait for it after the compute; in the backward pass, also send the "
+                "dK/dV accumulators on without waiting, and wait for the incoming ones after the next step's compute")
     return None
 
 

@@ -22,7 +22,18 @@ _FWD_WAIT = '''        o_b, l_b = cp.block_attention(q, k, v, scale=scale)
 _CAUSAL_POST = "        pending = cp.ring_shift(kv) if step < world - 1 else None\n"
 _CAUSAL_WAIT = "        if pending is not None:\n            kv = pending.wait()\n"
 _BWD_POST = "        pending = cp.ring_shift(kv) if step < world - 1 else None  # next step's K/V, while this one computes\n"
-_BWD_DKV = "        dkv = cp.ring_shift(dkv).wait()  # on to the next rank; after the last step: home\n"
+_BWD_NONE = "    incoming = None  # the dK/dV accumulators of the next block, on their way from rank - 1\n"
+_BWD_ZEROS = ("        dkv = [torch.zeros(k.shape, dtype=dt, device=k.device), "
+              "torch.zeros(v.shape, dtype=dt, device=v.device)]\n")
+_BWD_ADD = ("        if incoming is not None:  # the block's earlier contributions, arrived while this rank computed\n"
+            "            for mine, arrived in zip(dkv, incoming.wait()):\n"
+            "                mine.add_(arrived)\n")
+_BWD_SEND = "        incoming = cp.ring_shift(dkv)  # on to the next rank, not waited for; after the last step: home\n"
+_BWD_HOME = "    dk, dv = incoming.wait()\n"
+# The accumulators travel and each shift is waited for at once: right gradients, no dK/dV overlap.
+_BWD_TRAVELLING = ((_BWD_NONE, _BWD_ZEROS.replace("        ", "    ", 1)), (_BWD_ZEROS, ""),
+                   (_BWD_HOME, "    dk, dv = dkv\n"))
+_BWD_DKV = "        dkv = cp.ring_shift(dkv).wait()\n"
 _BWD_WAIT = "        if pending is not None:\n            kv = pending.wait()\n"
 _S2H_BWD = "        return cp.heads_to_sequence(grad)  # the inverse all-to-all, of the gradient\n"
 _H2S_BWD = "        return cp.sequence_to_heads(grad)\n"
@@ -134,23 +145,38 @@ def causal_ring_attention_forward(q, k, v, scale=None):
             "ex6-solution",
             (_BWD_POST, _BWD_POST + "        arrived = pending.wait() if pending is not None else None\n"),
             (_BWD_WAIT, "        if arrived is not None:\n            kv = arrived\n")),
+        "dK/dV passed on and waited for at once (only K/V overlapped)": _edited(
+            "ex6-solution", *_BWD_TRAVELLING, (_BWD_ADD + _BWD_SEND, _BWD_DKV)),
+        "the incoming dK/dV waited for before the step's compute": _edited(
+            "ex6-solution", (_BWD_ADD, ""), (_BWD_ZEROS, _BWD_ZEROS + _BWD_ADD)),
         "K, V, dK and dV sent together after the compute": _edited(
-            "ex6-solution", (_BWD_POST, ""),
-            (_BWD_DKV, "        kv_dkv = cp.ring_shift(kv + dkv).wait()\n        kv, dkv = kv_dkv[:2], kv_dkv[2:]\n"),
+            "ex6-solution", *_BWD_TRAVELLING, (_BWD_POST, ""),
+            (_BWD_ADD + _BWD_SEND, "        kv_dkv = cp.ring_shift(kv + dkv).wait()\n        kv, dkv = kv_dkv[:2], kv_dkv[2:]\n"),
             (_BWD_WAIT, "")),
         "no homecoming shift: dK/dV stay where the last step left them": _edited(
-            "ex6-solution", (_BWD_DKV, "        if step < world - 1:\n            dkv = cp.ring_shift(dkv).wait()\n")),
+            "ex6-solution", (_BWD_SEND, "        incoming = cp.ring_shift(dkv) if step < world - 1 else None\n"),
+            (_BWD_HOME, "    dk, dv = dkv\n")),
         "dK/dV accumulated on the rank that computed them, never sent": _edited(
-            "ex6-solution", (_BWD_DKV, "")),
+            "ex6-solution", *_BWD_TRAVELLING, (_BWD_ADD + _BWD_SEND, "")),
+        "the incoming dK/dV never added: each rank sends only its own contribution": _edited(
+            "ex6-solution", (_BWD_ADD, "        if incoming is not None:\n            incoming.wait()\n")),
         "dK/dV sent to rank - 1, against K/V (right for 2 ranks only)": _edited(
-            "ex6-solution", (_BWD_DKV, '''        back = [torch.empty_like(t) for t in dkv]
+            "ex6-solution", (_BWD_SEND, '''        back = [torch.empty_like(t) for t in dkv]
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, dkv[0], (rank - 1) % world),
                                         dist.P2POp(dist.isend, dkv[1], (rank - 1) % world),
                                         dist.P2POp(dist.irecv, back[0], (rank + 1) % world),
                                         dist.P2POp(dist.irecv, back[1], (rank + 1) % world)])
-        for w in works:
-            w.wait()
-        dkv = back
+
+        class Later:
+            def __init__(self, works, got):
+                self.works, self.got = works, got
+
+            def wait(self):
+                for w in self.works:
+                    w.wait()
+                return self.got
+
+        incoming = Later(works, back)
 ''')),
         "the block at step s taken from rank + s (right for 2 ranks only)": _edited(
             "ex6-solution", ("        src = (rank - step) % world\n", "        src = (rank + step) % world\n")),
