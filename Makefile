@@ -3,6 +3,8 @@
 #   make lab-instructor   the same on the project root, with nbgrader's instructor extensions
 #   make test    set up .venv if needed, then run the whole CPU test suite (lint first)
 #   make lint    ruff and mypy only
+#   make site    build the course website (both editions of every chapter) in build/site/html
+#   make site-check   check the built site: links, images, outputs, no solutions; its pages in Chromium
 #   make test-repeat N=5 LOAD=2   the CPU suite N times in a row (LOAD busy processes beside it), a line per run
 #   make multi-node NNODES=2 NPROC=2   the distributed chapters' checks as a 2-node torchrun job on this host
 # Variables you may override, e.g. `make test TORCH_BUILD=cuda JOBS=4`:
@@ -29,9 +31,9 @@ ifeq ($(TORCH_BUILD),auto)
   TORCH_BUILD := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 endif
 
-.PHONY: install sandbox-deps browser-deps lab lab-instructor lint test test-repeat test-browser test-gpu notebooks-run multi-gpu multi-node release bench bench-grading audit clean help
+.PHONY: install sandbox-deps browser-deps lab lab-instructor lint test test-repeat test-browser test-gpu notebooks-run multi-gpu multi-node release bench bench-grading site audit clean help
 help:
-	@sed -n '2,14p' Makefile
+	@sed -n '2,16p' Makefile
 
 install: $(STAMP)
 
@@ -93,13 +95,20 @@ test-repeat: $(STAMP)
 # Static tier: ruff (style, imports, likely bugs) over the Python code, mypy over the packages; both
 # configured in pyproject.toml. Part of `make test`, first, so a slip fails in seconds.
 lint: $(STAMP)
-	$(BIN)/ruff check course_lib autograder benchmarks tests conftest.py
+	$(BIN)/ruff check course_lib autograder benchmarks website tests conftest.py
 	$(BIN)/mypy
 
 # JupyterLab in headless Chromium: open a released notebook, run all cells, check for errors, screenshot.
 # (Also part of `make test` when chromium is installed; skipped there otherwise.)
 test-browser: $(STAMP) browser-deps
 	$(PY) -m pytest -m browser tests/test_browser.py
+
+# The built site (`make site`) checked: internal links, images and alt text, every chapter page with outputs and
+# no error, no solution or hidden test anywhere; then its pages in headless Chromium (screenshots in tests/artifacts/).
+.PHONY: site-check
+site-check: $(STAMP) browser-deps
+	$(PY) -m website check build/site/html
+	SITE_REQUIRED=1 $(PY) -m pytest -m browser tests/test_site_browser.py
 
 # GPU tier (on a CUDA machine): the tests marked gpu (kernels compiled, CUDA timing, grading every
 # solution on the GPU), and every solution and released notebook under nbval in GPU mode. The CPU-only tests are
@@ -142,6 +151,18 @@ bench-grading: $(STAMP) sandbox-deps
 # Benchmark suite (on a CUDA machine): our kernels against PyTorch's, written to benchmarks/results/.
 bench: $(STAMP)
 	$(PY) -m benchmarks
+
+# The course website (docs/website.md): both editions of every chapter, the guides and the benchmark records as
+# static HTML in build/site/html. Runs every solution notebook on this CPU first (a few minutes).
+# SITE_ARGS: more options, e.g. SITE_ARGS="--cpu-from artifacts/notebooks" or "--h200-from DIR".
+SITE_ARGS ?=
+SITE_STAMP := $(VENV)/.site-installed
+$(SITE_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e ".[course,site]"
+	@touch $@
+
+site: $(SITE_STAMP)
+	$(PY) -m website build $(SITE_ARGS)
 
 audit:
 	python3 ../shared/tools/course-audit .

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import notebooks
 
@@ -34,6 +35,9 @@ def test_table_lists_every_notebook_and_exit_status_follows_errors(tmp_path: Pat
     report = json.loads((tmp_path / "times.json").read_text())
     assert [r["chapter"] for r in report["notebooks"]] == [FIRST, SECOND]
     assert report["total_seconds"] == 3.0 and report["interrupted_in"] is None
+    # The run records the machine it ran on, so that a record made elsewhere from the folder names it right.
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
+    assert report["versions"]["torch"] == torch.__version__ and report["versions"]["gpu"] == gpu
     fake_runs[SECOND] = ["cell abc: ValueError: boom"]
     assert notebooks.main(["--out", str(tmp_path), FIRST, SECOND]) == 1, "a notebook that raised must make the run fail"
     assert "ValueError: boom" in (tmp_path / "times.md").read_text()
