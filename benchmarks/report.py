@@ -85,6 +85,19 @@ class Result:
             return None
         return self.reference / self.ours if self.unit == "ms" else self.ours / self.reference
 
+    def judge_against_fastest(self, measured: dict[str, float]) -> None:
+        """Make the best of ``measured`` (label -> value in this row's unit) the reference; the others become context.
+
+        The row's ratio and targets are then judged against the fastest thing PyTorch offers for the
+        same work, not against whichever reference is most convenient.
+        """
+        if not measured:
+            raise ValueError(f"{self.name}: none of its references could be measured")
+        best = (min if self.unit == "ms" else max)(measured, key=measured.__getitem__)
+        self.reference, self.reference_name = measured[best], best
+        self.context.update({label: value for label, value in measured.items() if label != best})
+        self.notes.append(f"reference: the fastest of {', '.join(measured)}, measured in the same run")
+
     def met(self, copy_gbps: float | None) -> bool | None:
         """Whether every target is met; None for a context row without targets."""
         if not self.targets:

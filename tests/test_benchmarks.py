@@ -78,6 +78,19 @@ def test_ratio_is_above_one_when_ours_is_better_whatever_the_unit() -> None:
     assert Result("x", [1], "float32", "ms", "ref", ours=1.0).ratio is None
 
 
+def test_the_fastest_reference_is_the_one_judged_against() -> None:
+    rate = Result("attention_fwd", [1], "bfloat16", "TFLOP/s", "", ours=500.0, targets=[Target("ratio", 0.9)])
+    rate.judge_against_fastest({"SDPA flash (FA2)": 350.0, "SDPA cuDNN": 610.0, "FlexAttention": 480.0})
+    assert (rate.reference_name, rate.reference) == ("SDPA cuDNN", 610.0)
+    assert rate.context == {"SDPA flash (FA2)": 350.0, "FlexAttention": 480.0}
+    assert rate.ratio == pytest.approx(500 / 610) and rate.met(None) is False  # beating FA2 is not enough
+    time = Result("adam", [1], "float32", "ms", "", ours=2.0)
+    time.judge_against_fastest({"for-loop": 4.9, "fused": 2.2})
+    assert (time.reference_name, time.reference) == ("fused", 2.2)  # for times, the fastest is the smallest
+    with pytest.raises(ValueError, match="none of its references"):
+        Result("x", [1], "float32", "ms", "").judge_against_fastest({})
+
+
 def test_every_target_must_be_met() -> None:
     assert _softmax(ours=3400.0).met(COPY) is True  # ratio 1.79, 3400 >= 0.8 x 4000
     assert _softmax(ours=3000.0).met(COPY) is False  # ratio 1.58 but 3000 < 3200
@@ -174,7 +187,8 @@ def test_quick_report_says_so() -> None:
 
 TINY = cases.Sizes(
     copy_numel=1024, softmax=(8, 64), bias_gelu=(8, 64), adam=(2, 16, 16), matmul=(32, 64),
-    attention=(1, 2, 64, 32), add_numel=1024, transpose=(16, 24), warmup_ms=1, rep_ms=1,
+    attention=(cases.AttentionShape(1, 2, 64, 32), cases.AttentionShape(1, 2, 32, 16, label="_d16")),
+    add_numel=1024, transpose=(16, 24), warmup_ms=1, rep_ms=1,
 )
 
 
@@ -230,15 +244,24 @@ def test_every_case_yields_its_rows(on_cpu: None, monkeypatch: pytest.MonkeyPatc
     assert copy == pytest.approx(2 * 1024 * 4 / 2e-3 / 1e9)
     assert [r.name for r in results] == [
         "softmax", "bias_gelu", "adam", "matmul_32", "matmul_64",
-        "attention_fwd", "attention_bwd", "attention_fwd_causal", "attention_bwd_causal", "add", "transpose",
+        "attention_fwd", "attention_bwd", "attention_fwd_causal", "attention_bwd_causal",
+        "attention_fwd_d16", "attention_bwd_d16", "attention_fwd_d16_causal", "attention_bwd_d16_causal", "add", "transpose",
     ]
     assert [r.error for r in results] == [None] * len(results)
     assert all(r.ratio == pytest.approx(1.0) for r in results)  # equal times on both sides
     adam = results[2]
     assert set(adam.context) == {"foreach", "for-loop"} and adam.unit == "ms"
-    assert "torch.compile" in results[1].context
+    assert results[1].reference_name == "eager F.gelu(x + bias)" and "torch.compile" in results[1].context
     fwd, bwd = results[5], results[6]
     assert bwd.reference == pytest.approx(2.5 * fwd.reference)
+    # every attention row is judged against the fastest reference that ran; one that cannot run here is a note
+    # (on a CPU: cuDNN has no kernel, FlexAttention no backward)
+    assert fwd.reference_name == "SDPA flash (FA2)"
+    for row in results[5:13]:
+        for label in ("SDPA flash (FA2)", "SDPA cuDNN", "FlexAttention (torch.compile)"):
+            assert label == row.reference_name or label in row.context or any(
+                note.startswith(f"{label} failed") for note in row.notes), (row.name, label)
+    assert any(n.startswith("SDPA cuDNN failed") for n in fwd.notes)
 
 
 def test_a_failing_kernel_is_one_rows_error(on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -286,5 +309,5 @@ def test_quick_run_writes_a_report(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     [json_path] = tmp_path.glob("*-quick.json")
     data = json.loads(json_path.read_text())
-    assert data["copy_gbps"] > 0 and len(data["results"]) == 11
+    assert data["copy_gbps"] > 0 and len(data["results"]) == 7 + 4 * len(cases.QUICK.attention)
     assert [r["name"] for r in data["results"] if r["error"]] == [], out.stdout
