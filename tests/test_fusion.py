@@ -1,5 +1,7 @@
 """Tests of course_lib.kernels.fusion: tiny fp32 shapes under the interpreter on CPU, real shapes and dtypes on a GPU."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,36 @@ def _check_bias_gelu(shape, dtype, device):
     assert_close(xa.grad, xr.grad.to(dtype), rtol=rtol, atol=atol, name="bias_gelu dx")
     rows = max(1, x.numel() // shape[-1])
     assert_close(ba.grad, br.grad.to(dtype), rtol=rtol, atol=atol * rows ** 0.5, name="bias_gelu dbias")
+
+
+# The fitted erfc's error bound (course_lib.erfc) and half an ulp of each dtype, relative.
+FAST_ERF_REL = 1.2e-4
+HALF_ULP = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def _exact_gelu(z):
+    """GELU and its derivative in float64 through erfc, which keeps its relative accuracy in the negative tail."""
+    cdf = 0.5 * torch.special.erfc(-z / math.sqrt(2.0))
+    return z * cdf, cdf + z * torch.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+
+
+def _check_fast_gelu(shape, dtype, device, scale=4.0):
+    """bias_gelu(fast_erf=True) against float64: output within the fit's relative error plus the dtype's rounding."""
+    x = _rand(*shape, dtype=dtype, device=device, scale=scale)
+    b = _rand(shape[-1], dtype=dtype, device=device, seed=1)
+    xa, ba = x.clone().requires_grad_(), b.clone().requires_grad_()
+    y = fusion.bias_gelu(xa, ba, fast_erf=True)
+    y.backward(torch.ones_like(y))
+    z = (x.float() + b.float()).double()  # the kernel adds in fp32
+    want, slope = _exact_gelu(z)
+    tiny = torch.finfo(dtype).tiny
+    bound = (FAST_ERF_REL + HALF_ULP[dtype]) * want.abs() + tiny
+    worst = ((y.double() - want).abs() / bound).max().item()
+    assert worst <= 1.0, f"fast GELU off by {worst:.2f}x its bound (fit error {FAST_ERF_REL} + half an ulp)"
+    # The derivative: the fit's error is relative to Phi, at most ~1e-4 absolute, then the dtype's rounding.
+    grad_bound = 1.1e-4 + HALF_ULP[dtype] * slope.abs() + tiny
+    worst = ((xa.grad.double() - slope).abs() / grad_bound).max().item()
+    assert worst <= 1.0, f"fast GELU's dx off by {worst:.2f}x its bound"
 
 
 def _check_softmax(shape, dtype, device, block_size=None):
@@ -86,6 +118,21 @@ def test_add_rejects_mismatch():
 @pytest.mark.parametrize("shape", [(7,), (5, 33), (3, 4, 20), (70, 3)])
 def test_bias_gelu_fp32(shape):
     _check_bias_gelu(shape, torch.float32, DEV)
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 33), (70, 3)])
+def test_bias_gelu_fast_erf_fp32(shape):
+    _check_fast_gelu(shape, torch.float32, DEV)
+
+
+def test_fast_erf_keeps_the_negative_tail_that_the_exact_formula_cancels():
+    """Far left, 1 + erf(z / sqrt 2) in fp32 loses Phi(z) to cancellation; the fitted erfc keeps its digits."""
+    x, b = torch.tensor([[-4.0, -5.5, -6.0, -7.0]]), torch.zeros(4)
+    want, _ = _exact_gelu(x.double())
+    fast = (fusion.bias_gelu(x, b, fast_erf=True).double() - want).abs() / want.abs()
+    exact = (fusion.bias_gelu(x, b).double() - want).abs() / want.abs()
+    assert fast.max() < FAST_ERF_REL, fast
+    assert exact.max() > 1e-2, exact  # if this fails, the lesson's claim about the exact formula is wrong
 
 
 def test_bias_gelu_rejects_bad_bias():
@@ -219,6 +266,13 @@ def test_add_gpu(dtype, shape):
 @pytest.mark.parametrize("shape", [(8, 3), (1000, 1000), (2, 513, 3072), (4096, 1025)])
 def test_bias_gelu_gpu(dtype, shape):
     _check_bias_gelu(shape, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", [(8, 3), (1000, 1000), (2, 513, 3072)])
+def test_bias_gelu_fast_erf_gpu(dtype, shape):
+    _check_fast_gelu(shape, dtype, "cuda")
 
 
 @pytest.mark.gpu
