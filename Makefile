@@ -56,7 +56,7 @@ sandbox-deps:
 	@command -v bwrap >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap; }
 
 browser-deps:
-	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; }
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; }
 
 # The student's lab leaves out nbgrader's instructor extensions (jupyter/README.md says how).
 STUDENT_JUPYTER_CONFIG := $(abspath jupyter/student)
