@@ -7,7 +7,7 @@ or calls the reference. Graded by the real grader's parts (``autograder.execute.
 the test cell runs in the trusted tester, hidden tests included, inputs drawn from a secret; the
 exercise's reference refuses to run), each must fail.
 
-One kernel per chapter keeps this cheap: it runs the setup cell, the cells of imports only, the
+One kernel per chapter keeps this cheap: it runs the setup cells, the cells of imports only, the
 solution cells and the cells whose definitions live in the kernel, then, per exercise, the right solution's test (which
 must pass: it proves the short notebook is a fair context), each wrong solution followed by the
 test, and the right solution again. Lecture cells are left out: test cells run in the tester,
@@ -37,6 +37,7 @@ from autograder.config import SECRET_VARIABLE, child_environment, course_environ
 from autograder.course import is_test_cell, read_notebook
 from autograder.execute import TrustedExecute
 from autograder.tester import STUDENT_SIDE_KEY
+from course_lib.support.hosted import SETUP_CELL_ID
 
 __all__ = ["HERE", "Outcome", "chapters_with_wrong_solutions", "grade_wrong_solutions", "solution_cells", "wrong_solutions"]
 
@@ -100,7 +101,10 @@ def _imports_only(cell: NotebookNode) -> bool:
 def _context(nb: NotebookNode) -> tuple[list[NotebookNode], dict[str, NotebookNode], dict[str, NotebookNode]]:
     """The cells the kernel needs, and each exercise's solution cell and test cell by the test's grade_id."""
     code = [c for c in nb.cells if c.cell_type == "code"]
-    keep = [code[0]] + [c for c in code[1:] if _is_solution(c) or c.metadata.get(STUDENT_SIDE_KEY) or _imports_only(c)]
+    # The chapter's setup cell (``from course_lib import env`` ...): the first code cell after the hosted setup cell.
+    first = next(i for i, c in enumerate(code) if c.get("id") != SETUP_CELL_ID)
+    keep = code[:first + 1] + [c for c in code[first + 1:]
+                               if _is_solution(c) or c.metadata.get(STUDENT_SIDE_KEY) or _imports_only(c)]
     solutions, tests = {}, {}
     for cell in code:
         if _is_solution(cell):
