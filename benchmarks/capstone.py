@@ -42,9 +42,7 @@ def measure(device: str, quick: bool, steps: int = 20, warmup: int = 5) -> dict[
     peak, source = device_peak_flops(dev)
     rows = capstone.ablation(capstone.assemble, parts, run, capstone.TECHNIQUES, steps, peak, warmup)
     command = f"python -m benchmarks.capstone{' --quick' if quick else ''}{' --device cpu' if dev.type == 'cpu' else ''}"
-    facts = run_facts(command) if dev.type == "cuda" else {"schema_version": 1, "device": "cpu", "torch": torch.__version__,
-                                                           "command": command}
-    return {**facts, "model": vars(run.model), "batch_size": run.batch_size, "tokens_per_step": run.tokens_per_step,
+    return {**run_facts(command), "model": vars(run.model), "batch_size": run.batch_size, "tokens_per_step": run.tokens_per_step,
             "steps": steps, "warmup": warmup, "peak_flops": peak, "peak_source": source, "order": list(capstone.TECHNIQUES),
             "rows": rows}
 

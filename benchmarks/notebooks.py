@@ -19,12 +19,15 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import nbformat
 from nbclient import NotebookClient
 from tqdm.auto import tqdm
 
-__all__ = ["chapters", "device_name", "main", "run_notebook", "versions"]
+from benchmarks.provenance import machine_facts
+
+__all__ = ["chapters", "device_name", "main", "run_notebook"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,26 +72,11 @@ def device_name() -> str:
     return env.banner()
 
 
-def versions() -> dict[str, str]:
-    """The GPU, driver and package versions of the machine the notebooks run on (recorded with the run)."""
-    import platform
-
-    import torch
-    import triton
-
-    from benchmarks.provenance import driver_version
-
-    on_gpu = torch.cuda.is_available()
-    return {"gpu": torch.cuda.get_device_name(0) if on_gpu else "none (CPU)",
-            "driver": driver_version() if on_gpu else "none", "torch": torch.__version__,
-            "cuda": torch.version.cuda or "none", "triton": triton.__version__, "python": platform.python_version()}
-
-
 def write_report(out_dir: Path, rows: list[dict], interrupted: str | None = None,
-                 machine: dict[str, str] | None = None) -> str:
+                 machine: dict[str, Any] | None = None) -> str:
     """Write ``times.json`` and ``times.md`` for the notebooks run so far; return the markdown."""
     report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_name(),
-              "versions": machine or versions(), "notebooks": rows,
+              "versions": machine or machine_facts(), "notebooks": rows,
               "total_seconds": round(sum(r["seconds"] for r in rows), 1), "interrupted_in": interrupted}
     (out_dir / "times.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["# Solution notebooks, executed once", "", f"- {report['device']}", f"- {report['date']}", "",
@@ -111,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    machine = versions()
+    machine = machine_facts()
     markdown = write_report(args.out, rows, machine=machine)
     for path in tqdm(chapters(args.chapters), desc="notebooks"):
         try:

@@ -1,6 +1,9 @@
-"""The facts every GPU record starts with: when, on which GPU and driver, with which versions, by which command.
+"""The facts every record starts with: when, on which machine (GPU, driver, versions), by which command.
 
     record = {**run_facts("python -m benchmarks.tiling"), "sections": {...}}
+
+The same facts on a machine without a GPU say so ("none (CPU)"), so a CPU smoke run and a
+notebook run on a laptop are recorded by the one function.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["driver_version", "run_facts"]
+__all__ = ["driver_version", "machine_facts", "run_facts"]
 
 
 def driver_version() -> str:
@@ -25,22 +28,30 @@ def driver_version() -> str:
         return "unknown"
 
 
-def run_facts(command: str) -> dict[str, Any]:
-    """Schema, date, GPU (name, SMs, L2), driver, CUDA, cuDNN, Triton and Python versions, and ``command``."""
+def machine_facts() -> dict[str, Any]:
+    """GPU (name, SMs, L2), driver, CUDA, cuDNN, torch, Triton and Python versions; the GPU fields say "none" on a CPU."""
     import triton
 
-    props = torch.cuda.get_device_properties(0)
+    on_gpu = torch.cuda.is_available()
+    props = torch.cuda.get_device_properties(0) if on_gpu else None
+    return {
+        "gpu": props.name if props else "none (CPU)",
+        "sms": props.multi_processor_count if props else None,
+        "l2_bytes": props.L2_cache_size if props else None,
+        "driver": driver_version() if on_gpu else "none",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "cudnn": torch.backends.cudnn.version() if on_gpu else None,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def run_facts(command: str) -> dict[str, Any]:
+    """Schema, date (UTC), :func:`machine_facts` and ``command``: the head of a record."""
     return {
         "schema_version": 1,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "gpu": props.name,
-        "sms": props.multi_processor_count,
-        "l2_bytes": props.L2_cache_size,
-        "driver": driver_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "triton": triton.__version__,
-        "python": platform.python_version(),
+        **machine_facts(),
         "command": command,
     }

@@ -104,9 +104,9 @@ def run_facts(times: dict[str, Any]) -> dict[str, Any]:
     """
     machine = times.get("versions")
     if machine is None:
-        from benchmarks.notebooks import versions
+        from benchmarks.provenance import machine_facts
 
-        machine = versions()
+        machine = machine_facts()
     return {
         "date": times.get("date"),
         "device": times.get("device"),
