@@ -1,6 +1,6 @@
 """What the grader reads that a student or a kernel could have made: folder names, plain files, notebooks.
 
-Nothing under SUBMISSIONS or in a submission's scratch folder is trusted (COURSE_DESIGN.md, section 10):
+Nothing under SUBMISSIONS or in a submission's scratch folder is trusted:
 
 - a file is read only when it is a regular file, opened without following a link
   (``O_NOFOLLOW``; the folders on the way are opened one at a time the same way), up to a size
