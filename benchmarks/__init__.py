@@ -7,6 +7,7 @@ chapters render, one module each: ``benchmarks.figures`` (the GPU figures of cha
 ``benchmarks.mixed_precision`` (steps per precision and fp8 matmuls; 06),
 ``benchmarks.cross_entropy`` (the fused cross-entropy; 08), ``benchmarks.tiling`` (bank conflicts
 and the grouped order; 09), ``benchmarks.attention`` (FlashAttention beside FA2 and cuDNN; 10),
+``benchmarks.flash_steps`` (the forward from the teaching kernel to the Hopper one, step by step; 10),
 ``benchmarks.gemm`` (cuBLAS rates over a grid of GEMM shapes, the planner's size dependence; 16) and
 ``benchmarks.capstone`` (the capstone's ablation, one technique added at a time; 16),
 all starting from ``benchmarks.provenance`` (date, GPU, driver, versions). Also:
@@ -16,5 +17,5 @@ multi-node job), ``benchmarks.notebooks`` (notebook run times)
 and ``benchmarks.grading`` (the grader's throughput, on any machine).
 """
 
-__all__ = ["attention", "capstone", "cases", "checks", "cross_entropy", "distributed", "figures", "gemm", "grading",
+__all__ = ["attention", "capstone", "cases", "checks", "cross_entropy", "distributed", "figures", "flash_steps", "gemm", "grading",
            "mixed_precision", "notebooks", "provenance", "report", "step_graphs", "tiling"]

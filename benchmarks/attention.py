@@ -5,10 +5,12 @@
 writes ``benchmarks/results/attention_<gpu>.json`` (``attention_<gpu>-quick.json`` with ``--quick``),
 which the chapter renders with ``course_lib.support.records.load_record``. For bf16 inputs of
 (batch 4, heads 32, N, head dim 128), N from 1024 to 8192, without and with the causal mask, it
-times three implementations of the same attention on the same inputs:
+times four implementations of the same attention on the same inputs:
 
 - ``course_lib`` (``course_lib.kernels.flash_attention.flash_attention``): the kernels of the
   chapter's exercises (``flash_forward_kernel``, ``dkdv_kernel``) and its dQ kernel, autotuned;
+- ``course_lib TMA`` (``course_lib.kernels.flash_attention_hopper.flash_attention_tma``): the
+  Hopper forward (TMA tensor descriptors, 128 x 128 tiles) with the same backward;
 - ``SDPA flash``: PyTorch's ``scaled_dot_product_attention`` pinned to its FlashAttention-2 backend;
 - ``SDPA cuDNN``: the same pinned to cuDNN's fused attention, the fastest PyTorch offers on Hopper.
 
@@ -67,11 +69,13 @@ def _sdpa(backend_name: str) -> Attention:
 def implementations() -> dict[str, Attention]:
     """The implementations the table compares, by label; the first is the reference of the correctness checks."""
     from course_lib.kernels.flash_attention import flash_attention
+    from course_lib.kernels.flash_attention_hopper import flash_attention_tma
 
     return {
         "SDPA flash": _sdpa("FLASH_ATTENTION"),
         "SDPA cuDNN": _sdpa("CUDNN_ATTENTION"),
         "course_lib": lambda q, k, v, causal: flash_attention(q, k, v, causal),
+        "course_lib TMA": lambda q, k, v, causal: flash_attention_tma(q, k, v, causal),
     }
 
 

@@ -21,6 +21,7 @@ Three kinds of module, three rules for changing them:
   09   09_tiling_coalescing        ``kernels.tiling_coalescing``, ``kernels.memory_trace`` (loads and
                                   stores, traced), ``kernels.bank_conflicts`` (shared-memory banks)
   10   10_flash_attention          ``attention`` (in PyTorch), ``kernels.flash_attention`` (Triton),
+                                  ``kernels.flash_attention_hopper`` (the forward through TMA, sm90),
                                   ``kernels.probes`` (what a kernel calls, which tiles it computes)
   11   11_collectives              ``collectives``
   12   12_data_parallel            ``data_parallel``

@@ -217,6 +217,11 @@ def _stand_in_kernels(**overrides: object) -> dict[str, types.ModuleType]:
                 q, k, v, is_causal=causal, scale=scale
             ),
         },
+        "flash_attention_hopper": {
+            "flash_attention_tma": lambda q, k, v, causal=False, scale=None: F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, scale=scale
+            ),
+        },
     }
     modules = {}
     for module, functions in kernels.items():
@@ -229,6 +234,7 @@ def _stand_in_kernels(**overrides: object) -> dict[str, types.ModuleType]:
 def on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(cases, "DEVICE", "cpu")
     monkeypatch.setattr(cases, "_ms", lambda fn, sizes, grad_to_none=None: (fn(), 2.0)[1])
+    monkeypatch.setattr(cases, "_graph_ms", lambda fn, sizes: (fn(), 1.0)[1])
     monkeypatch.setattr(torch, "compile", lambda fn: fn)
     yield
 
@@ -252,6 +258,7 @@ def test_every_case_yields_its_rows(on_cpu: None, monkeypatch: pytest.MonkeyPatc
     adam = results[2]
     assert set(adam.context) == {"foreach", "for-loop"} and adam.unit == "ms"
     assert results[1].reference_name == "eager F.gelu(x + bias)" and "torch.compile" in results[1].context
+    assert results[1].context["ours, CUDA-graph replay (kernel time only)"] == pytest.approx(2 * results[1].ours)
     fwd, bwd = results[5], results[6]
     assert bwd.reference == pytest.approx(2.5 * fwd.reference)
     # every attention row is judged against the fastest reference that ran; one that cannot run here is a note
@@ -262,6 +269,7 @@ def test_every_case_yields_its_rows(on_cpu: None, monkeypatch: pytest.MonkeyPatc
             assert label == row.reference_name or label in row.context or any(
                 note.startswith(f"{label} failed") for note in row.notes), (row.name, label)
     assert any(n.startswith("SDPA cuDNN failed") for n in fwd.notes)
+    assert all("course_lib teaching kernels" in row.context for row in results[5:13])  # beside ours, the TMA path
 
 
 def test_a_failing_kernel_is_one_rows_error(on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,9 +5,10 @@
 - ``tiling_coalescing`` (chapter 09): coalesced and strided access, the tiled matmul; with
   ``memory_trace`` (every load and store of a kernel, under the interpreter) and ``bank_conflicts``
   (shared-memory banks and a conflict-free tile layout).
-- ``flash_attention`` (chapter 10): FlashAttention forward and backward.
+- ``flash_attention`` (chapter 10): FlashAttention forward and backward; ``flash_attention_hopper``
+  the forward through TMA tensor descriptors on sm90 (the same backward).
 - ``probes`` (chapter 10's tests and experiments): is a kernel written, which course kernels it calls, which
   tiles it computes and masks under the interpreter.
 """
 
-__all__ = ["flash_attention", "fusion", "probes", "tiling_coalescing"]
+__all__ = ["flash_attention", "flash_attention_hopper", "fusion", "probes", "tiling_coalescing"]

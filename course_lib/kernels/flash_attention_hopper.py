@@ -1,0 +1,217 @@
+"""FlashAttention's forward on Hopper (sm90): chapter 10's kernel fed by TMA tensor descriptors (chapter 10).
+
+The teaching kernel (``flash_attention.flash_forward_kernel``) computes every K and V address per
+thread and loads through the register file. Hopper has a copy engine for that, the Tensor Memory
+Accelerator: given a descriptor (base, shape, strides of a 2-D tensor, and a block shape) one
+thread asks for a whole (BLOCK_N, head_dim) tile and it lands in shared memory, where the tensor
+cores read it. Triton exposes it as ``TensorDescriptor`` (built on the host) and ``desc.load``;
+with the loop's ``num_stages`` it keeps the next tiles in flight while the current one is used.
+
+What this kernel changes from the teaching one, each measured in ``benchmarks.flash_steps``
+(chapter 10 renders its record):
+
+1. Q, K, V and O travel by TMA, viewed as one (batch * heads * N, head_dim) matrix; a head's
+   rows start at ``bh * N``. A tile must then not straddle two heads: N is a multiple of the
+   block, else the call falls back to the teaching kernels.
+2. 128 x 128 tiles, 8 warps (two warpgroups share the 128 query rows), 3 stages.
+3. The softmax scale and log2(e) are folded into one multiply-add: the row max is taken on the
+   raw scores and scaled once, and ``exp2(s * qk_scale - m)`` compiles to an FMA and an exp2.
+4. Causal: the query blocks with the most work start first, the blocks left of the diagonal run
+   without a mask, those right of it not at all.
+
+Triton 3.6's warp specialization (``tl.range(..., warp_specialize=True)``) is a switch here so
+that the benchmark can measure it; it is off because it did not pay on sm90 (see the record).
+
+The backward is the teaching module's three kernels (``flash_attention.flash_attention_backward``);
+it needs only O and the logsumexp, which this forward writes in the same layout.
+
+    from course_lib.kernels.flash_attention_hopper import flash_attention_tma, tma_applies
+    out = flash_attention_tma(q, k, v, causal=True)   # the TMA forward where it applies, else the teaching one
+
+Under Triton's CPU interpreter the kernel runs in fp32 with 16 x 16 tiles (descriptors work there
+too), so the CPU tests check the same code the GPU compiles.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from course_lib import env  # sets TRITON_INTERPRET=1 without a GPU; must precede triton
+from course_lib.kernels import flash_attention as teaching
+
+# isort: split
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+__all__ = [
+    "TMA_CONFIGS",
+    "tma_forward_kernel",
+    "tma_applies",
+    "flash_attention_forward_tma",
+    "FlashAttentionTMA",
+    "flash_attention_tma",
+]
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), 16-bit inputs. On the H200 at B4 H32 N4096 D128 bf16
+# the first was the fastest forward (benchmarks.flash_steps); the second is the teaching kernel's tile.
+TMA_CONFIGS: list[tuple[int, int, int, int]] = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3)]
+_BLOCK_ROWS = 128  # the largest BLOCK_M / BLOCK_N above: N must be a multiple of it on a GPU
+_MASKED = tl.constexpr(-1.0e30)  # finite, as in the teaching kernel: a fully masked row stays NaN-free
+_LOG2E = tl.constexpr(teaching.LOG2E)
+
+
+@triton.jit
+def _tma_blocks(acc, m_i, l_i, q, desc_k, desc_v, row0, lo, hi, offs_m, qk_scale,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """Fold key blocks [lo, hi) of the head whose rows start at ``row0`` into (acc, m_i, l_i); scores in log2 units."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = desc_k.load([row0 + start_n, 0])
+        s = tl.dot(q, k.T)  # raw scores, fp32
+        if MASKED:
+            s = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], s, _MASKED)
+        # The max of the raw scores, scaled once per row; below, scale and shift fuse into one FMA.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = desc_v.load([row0 + start_n, 0])  # issued after the first product: its wait overlaps the softmax
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def tma_forward_kernel(desc_q, desc_k, desc_v, desc_o, LSE, qk_scale, N,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """One program: BLOCK_M query rows of one (batch, head), through descriptors of (B*H*N, D) views; N % BLOCK_M == 0."""
+    if CAUSAL:
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest programs first
+    else:
+        start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    row0 = bh * N
+    first = start_m * BLOCK_M
+    offs_m = first + tl.arange(0, BLOCK_M)
+    q = desc_q.load([row0 + first, 0])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:
+        acc, m_i, l_i = _tma_blocks(acc, m_i, l_i, q, desc_k, desc_v, row0, 0, first, offs_m, qk_scale,
+                                    BLOCK_N, False, WARP_SPECIALIZE)
+        acc, m_i, l_i = _tma_blocks(acc, m_i, l_i, q, desc_k, desc_v, row0, first, first + BLOCK_M, offs_m, qk_scale,
+                                    BLOCK_N, True, False)
+    else:
+        acc, m_i, l_i = _tma_blocks(acc, m_i, l_i, q, desc_k, desc_v, row0, 0, N, offs_m, qk_scale,
+                                    BLOCK_N, False, WARP_SPECIALIZE)
+    tl.store(LSE + bh * N + offs_m, (m_i + tl.math.log2(l_i)) / _LOG2E)  # natural-log logsumexp
+    desc_o.store([row0 + first, 0], (acc / l_i[:, None]).to(q.dtype))
+
+
+def _set_block_shapes(nargs: dict[str, Any]) -> None:
+    """Autotuner pre-hook: the descriptors' block shapes follow the config being tried."""
+    rows = {"desc_q": "BLOCK_M", "desc_o": "BLOCK_M", "desc_k": "BLOCK_N", "desc_v": "BLOCK_N"}
+    for desc, block in rows.items():
+        nargs[desc].block_shape = [nargs[block], nargs["HEAD_DIM"]]
+
+
+# Autotuned on a GPU (each config's block shapes set on the descriptors by the pre-hook); the
+# interpreter launches one fixed config instead (see flash_attention_forward_tma).
+_tma_fwd = triton.autotune(
+    [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=_set_block_shapes)
+     for m, n, w, s in TMA_CONFIGS],
+    key=["N", "HEAD_DIM", "CAUSAL"],
+)(tma_forward_kernel)
+
+
+def tma_applies(q: torch.Tensor) -> bool:
+    """Whether ``flash_attention_forward_tma`` takes (batch, heads, seq, head_dim) ``q``: sm90+, 16-bit, seq % 128 == 0.
+
+    Under the interpreter: any float dtype and seq % 16 == 0. Elsewhere the teaching kernels run.
+    """
+    if q.dim() != 4 or q.shape[-1] not in teaching.HEAD_DIMS or q.shape[0] * q.shape[1] * q.shape[2] >= 2**31:
+        return False  # TMA coordinates are 32-bit: every row of the (B*H*N, D) view must be addressable
+    if env.INTERPRET:
+        return q.shape[2] % teaching.INTERPRETER_BLOCK == 0
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device) >= (9, 0)
+            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] % _BLOCK_ROWS == 0)
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernel reads it: a contiguous (B*H*N, D) matrix whose base is 16-byte aligned (TMA's rule)."""
+    t = teaching.compute_dtype(t).contiguous()
+    if t.data_ptr() % 16:
+        t = t.clone()
+    return t.view(-1, t.shape[-1])
+
+
+def flash_attention_forward_tma(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None,
+    config: tuple[int, int, int, int] | None = None, warp_specialize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output (dtype of q) and fp32 logsumexp (batch, heads, seq) by the TMA kernel; raises where it does not apply.
+
+    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) launches that one configuration instead of
+    the autotuned ones (16 x 16 tiles under the interpreter); ``warp_specialize`` needs a ``config``.
+    """
+    teaching._check(q, k, v)
+    if not tma_applies(q):
+        raise ValueError(f"the TMA forward needs sm90+, fp16/bf16 and seq % {_BLOCK_ROWS} == 0; got {q.dtype} "
+                         f"of shape {tuple(q.shape)} on {q.device} (flash_attention_tma falls back by itself)")
+    if warp_specialize and config is None:
+        raise ValueError("warp_specialize needs a config: Triton 3.6 cannot compile it for every autotuned one")
+    b, h, n, d = q.shape
+    if config is None and env.INTERPRET:
+        config = (teaching.INTERPRETER_BLOCK, teaching.INTERPRETER_BLOCK, 1, 1)
+    if config is not None and (n % config[0] or config[0] % config[1]):
+        raise ValueError(f"config {config}: BLOCK_M must divide seq={n} and be a multiple of BLOCK_N")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qm, km, vm = (_rows_view(t) for t in (q, k, v))
+    out = torch.empty_like(qm)
+    lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
+    block_m, block_n = config[:2] if config is not None else (_BLOCK_ROWS, _BLOCK_ROWS)  # autotuned: pre-hook sets them
+    dq, do = (TensorDescriptor.from_tensor(t, [block_m, d]) for t in (qm, out))
+    dk, dv = (TensorDescriptor.from_tensor(t, [block_n, d]) for t in (km, vm))
+    args = (dq, dk, dv, do, lse, scale * teaching.LOG2E, n)
+    if config is None:
+        _tma_fwd[lambda m: (n // m["BLOCK_M"], b * h)](*args, HEAD_DIM=d, CAUSAL=bool(causal), WARP_SPECIALIZE=False)
+    else:
+        tma_forward_kernel[(n // block_m, b * h)](
+            *args, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
+            WARP_SPECIALIZE=bool(warp_specialize), num_warps=config[2], num_stages=config[3])
+    return out.view(b, h, n, d).to(q.dtype), lse
+
+
+class FlashAttentionTMA(torch.autograd.Function):
+    """Autograd wrapper: the TMA forward where it applies (else the teaching one), the teaching backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
+    ) -> torch.Tensor:
+        """The attention output; saves Q, K, V, O and the logsumexp for the backward."""
+        forward = flash_attention_forward_tma if tma_applies(q) else teaching.flash_attention_forward
+        out, lse = forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        """(dQ, dK, dV) by the teaching module's three kernels; no gradient for ``causal`` and ``scale``."""
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = teaching.flash_attention_backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def flash_attention_tma(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None
+) -> torch.Tensor:
+    """softmax(Q K^T * scale [+ causal mask]) V, (batch, heads, seq, head_dim); the TMA forward where ``tma_applies``."""
+    return FlashAttentionTMA.apply(q, k, v, causal, scale)

@@ -1,0 +1,202 @@
+"""Chapter 10's Hopper forward: the TMA kernel against SDPA, which path runs where, and the fallback.
+
+CPU tier: the TMA kernel under Triton's interpreter (tensor descriptors work there) in fp32 on tiny
+shapes, forward, logsumexp and the gradients through the teaching backward; the rule that picks
+the TMA path and the fallback for sequences that are not a multiple of the block.
+GPU tier (marked gpu): compiled and autotuned in bf16/fp16 against SDPA on sm90+; the fallback for
+ragged sequences, fp32 and older GPUs.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import attention as att
+from course_lib import env
+from course_lib.kernels import flash_attention as fa
+from course_lib.kernels import flash_attention_hopper as fh
+
+
+def _qkv(shape, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(shape, generator=gen, device=device, dtype=dtype) for _ in range(3)]
+
+
+def _compare(shape, dtype, causal, device, tol, scale=None):
+    """Output, logsumexp and the three gradients of flash_attention_tma against fp32 SDPA."""
+    q, k, v = _qkv(shape, dtype, device)
+    dout = torch.randn(shape, dtype=dtype, device=device, generator=torch.Generator(device=device).manual_seed(9))
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = fh.flash_attention_tma(*leaves, causal, scale)
+    got = (out, *torch.autograd.grad(out, leaves, dout))
+    ref_leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    ref_out = F.scaled_dot_product_attention(*ref_leaves, is_causal=causal, scale=scale)
+    ref = (ref_out, *torch.autograd.grad(ref_out, ref_leaves, dout.float()))
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert g.dtype == dtype and g.shape == r.shape, name
+        torch.testing.assert_close(g.float(), r, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
+    if fh.tma_applies(q):
+        _, lse = fh.flash_attention_forward_tma(q, k, v, causal, scale)
+        assert lse.dtype == torch.float32 and lse.shape == shape[:3]
+        torch.testing.assert_close(lse, att.attention_lse(q.float(), k.float(), causal, scale), rtol=tol, atol=tol)
+
+
+def _forbid(monkeypatch, name):
+    """Make ``fa.<name>`` raise, to prove a call does not take that path."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{name} was called")
+    monkeypatch.setattr(fa, name, refuse)
+
+
+# ---------------------------------------------------------------- interpreter tier
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2, 64, 16), (2, 1, 32, 32)])
+def test_tma_forward_interpreter(shape, causal):
+    _compare(shape, torch.float32, causal, "cpu", 2e-4)
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+def test_tma_forward_scale_and_single_block():
+    # One key block per head (N = the block): the causal diagonal block is the whole loop.
+    _compare((1, 3, 16, 16), torch.float32, True, "cpu", 2e-4, scale=0.3)
+    _compare((1, 3, 16, 16), torch.float32, False, "cpu", 2e-4, scale=0.3)
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+def test_tma_path_is_taken_where_it_applies(monkeypatch):
+    q, k, v = _qkv((1, 2, 48, 16))
+    assert fh.tma_applies(q)
+    _forbid(monkeypatch, "flash_attention_forward")  # the teaching forward must not run
+    out = fh.flash_attention_tma(q, k, v, True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+@pytest.mark.parametrize("n", [5, 40])
+def test_ragged_sequences_fall_back_to_the_teaching_forward(n, monkeypatch):
+    q, k, v = _qkv((1, 2, n, 16))
+    assert not fh.tma_applies(q)
+    with pytest.raises(ValueError, match="seq %"):
+        fh.flash_attention_forward_tma(q, k, v)
+    _compare((1, 2, n, 16), torch.float32, True, "cpu", 2e-4)
+    _forbid(monkeypatch, "flash_attention_forward")
+    with pytest.raises(AssertionError, match="flash_attention_forward was called"):
+        fh.flash_attention_tma(q, k, v)
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+def test_non_contiguous_and_bf16_inputs_interpreter():
+    # (batch, seq, heads, dim) transposed, as attention layers hand it over; bf16 is computed in fp32 here.
+    q, k, v = (t.transpose(1, 2) for t in _qkv((1, 32, 2, 16), torch.bfloat16))
+    out = fh.flash_attention_tma(q, k, v, True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_tma_applies_rules():
+    assert not fh.tma_applies(torch.zeros(1, 1, 32, 24))  # head dim the kernels do not take
+    assert not fh.tma_applies(torch.zeros(1, 32, 16))  # not (batch, heads, seq, head_dim)
+    q, k, v = _qkv((1, 1, 8, 24))
+    with pytest.raises(ValueError, match="head_dim"):
+        fh.flash_attention_tma(q, k, v)
+
+
+# ---------------------------------------------------------------- the steps benchmark, on stand-ins
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+def test_ceiling_kernel_computes_what_it_keeps():
+    from benchmarks import flash_steps as fs
+
+    q, k, v = _qkv((1, 2, 32, 16))
+    # The full softmax is attention; with none, P is the raw scores and O = (Q K^T) V.
+    torch.testing.assert_close(fs.ceiling_forward(q, k, v, 2, (16, 16, 1, 1)), F.scaled_dot_product_attention(q, k, v),
+                               rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(fs.ceiling_forward(q, k, v, 0, (16, 16, 1, 1)), (q @ k.transpose(-1, -2)) @ v,
+                               rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="must divide seq=32"):
+        fs.ceiling_forward(q, k, v, 2)  # 128-row tiles: no program would run
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+def test_steps_benchmark_records_rates_and_errors():
+    from benchmarks import flash_steps as fs
+
+    calls = []
+
+    def ms(fn):
+        calls.append(fn())
+        return 0.5
+
+    record = fs.steps({"batch": 1, "heads": 2, "seq": 32, "head_dim": 16}, ms, device="cpu", dtype=torch.float32)
+    rows = {(r["group"], r["label"], r["causal"]): r for r in record["rows"]}
+    assert {g for g, _, _ in rows} == {"reference", "step", "ceiling", "backward"}
+    assert not any(g == "ceiling" and causal for g, _, causal in rows)  # the ceilings are non-causal only
+    ok = rows[("step", "TMA, autotuned (flash_attention_tma)", True)]
+    assert ok["error"] is None and ok["tflops"] == pytest.approx(4 * 2 * 32 * 32 * 16 / 2 / 0.5e-3 / 1e12)
+    backward = rows[("backward", "course_lib, three kernels", False)]
+    assert backward["error"] is None and backward["tflops"] == pytest.approx(2.5 * 4 * 2 * 32 * 32 * 16 / 0.5e-3 / 1e12)
+    # Rows that cannot run here are recorded with why: cuDNN has no CPU kernel, 128-row tiles do not divide 32.
+    assert "backend" in rows[("reference", "SDPA cuDNN", False)]["error"]
+    assert "must divide seq=32" in rows[("step", "TMA, 128x128, 8 warps, 3 stages", False)]["error"]
+    assert "must divide seq=32" in rows[("ceiling", "+ exp2: the full online softmax", False)]["error"]
+    assert record["matmul_tflops"] > 0 and len(calls) == sum(r["error"] is None for r in record["rows"]) + 1
+
+
+# ---------------------------------------------------------------- GPU tier
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, n, d", [(torch.bfloat16, 128, 64), (torch.bfloat16, 1024, 128),
+                                         (torch.bfloat16, 4096, 128), (torch.float16, 2048, 64),
+                                         (torch.bfloat16, 512, 32)])
+def test_tma_forward_gpu(dtype, n, d, causal):
+    shape = (2, 4, n, d) if n < 4096 else (1, 2, n, d)
+    q = torch.empty(shape, dtype=dtype, device="cuda")
+    assert fh.tma_applies(q) == _hopper()
+    _compare(shape, dtype, causal, "cuda", 4e-2 if dtype == torch.bfloat16 else 1e-2)
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+def test_fixed_config_and_its_checks_interpreter():
+    q, k, v = _qkv((1, 2, 64, 16))
+    out, lse = fh.flash_attention_forward_tma(q, k, v, True, config=(32, 16, 1, 1))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(lse, att.attention_lse(q, k, True), rtol=2e-4, atol=2e-4)
+    with pytest.raises(ValueError, match="BLOCK_M must divide"):
+        fh.flash_attention_forward_tma(q, k, v, config=(48, 16, 1, 1))
+    with pytest.raises(ValueError, match="multiple of BLOCK_N"):
+        fh.flash_attention_forward_tma(q, k, v, config=(16, 32, 1, 1))
+    with pytest.raises(ValueError, match="needs a config"):
+        fh.flash_attention_forward_tma(q, k, v, warp_specialize=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config, warp_specialize", [((128, 64, 8, 3), False), ((128, 128, 8, 3), True)])
+def test_fixed_configs_gpu(config, warp_specialize, causal):
+    # The launches the benchmark measures one by one, warp specialization included (it compiles at 8 warps).
+    if not _hopper():
+        pytest.skip("TMA needs sm90+: this GPU runs the teaching kernels, tested in test_flash_attention.py")
+    q, k, v = _qkv((2, 4, 1024, 128), torch.bfloat16, "cuda")
+    out, lse = fh.flash_attention_forward_tma(q, k, v, causal, config=config, warp_specialize=warp_specialize)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    torch.testing.assert_close(out.float(), ref, rtol=4e-2, atol=4e-2)
+    torch.testing.assert_close(lse, att.attention_lse(q.float(), k.float(), causal), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype", [((2, 3, 1000, 64), torch.bfloat16), ((1, 2, 256, 64), torch.float32)])
+def test_fallback_gpu(shape, dtype):
+    q = torch.empty(shape, dtype=dtype, device="cuda")
+    assert not fh.tma_applies(q)  # ragged sequence; fp32 tiles do not fit the TMA configs
+    _compare(shape, dtype, True, "cuda", 4e-2 if dtype == torch.bfloat16 else 2e-2)
