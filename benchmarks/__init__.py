@@ -10,6 +10,7 @@ and the grouped order; 09), ``benchmarks.attention`` (FlashAttention beside FA2 
 ``benchmarks.flash_steps`` (the forward from the teaching kernel to the Hopper one, step by step; 10),
 ``benchmarks.gemm`` (cuBLAS rates over a grid of GEMM shapes, the planner's size dependence; 16) and
 ``benchmarks.capstone`` (the capstone's ablation, one technique added at a time; 16),
+``benchmarks.capstone_mfu`` (the capstone's tokens/s and MFU change by change, each with its profile; 16),
 all starting from ``benchmarks.provenance`` (date, GPU, driver, versions). Also:
 ``benchmarks.distributed`` (the NCCL benchmark, under torchrun), ``benchmarks.checks`` (the
 distributed chapters' self-checks, under torchrun; ``python -m benchmarks.checks`` runs them all as a
@@ -17,5 +18,6 @@ multi-node job), ``benchmarks.notebooks`` (notebook run times)
 and ``benchmarks.grading`` (the grader's throughput, on any machine).
 """
 
-__all__ = ["attention", "capstone", "cases", "checks", "cross_entropy", "distributed", "figures", "flash_steps", "gemm", "grading",
-           "mixed_precision", "notebooks", "provenance", "report", "step_graphs", "tiling"]
+__all__ = ["attention", "capstone", "capstone_mfu", "cases", "checks", "cross_entropy", "distributed", "figures",
+           "flash_steps", "gemm", "grading", "mixed_precision", "notebooks", "provenance", "report", "step_graphs",
+           "tiling"]

@@ -28,7 +28,8 @@ Three kinds of module, three rules for changing them:
   13   13_tensor_parallel          ``tensor_parallel``
   14   14_pipeline_parallel        ``pipeline_parallel``
   15   15_context_parallel         ``context_parallel``
-  16   16_hybrid_capstone          ``hybrid`` (meshes, DP x TP), ``planner`` (strategy), ``capstone`` (the run)
+  16   16_hybrid_capstone          ``hybrid`` (meshes, DP x TP), ``planner`` (strategy), ``capstone`` (the run),
+                                  ``lm_head_loss`` (LM head and cross-entropy by row chunks, on 08's kernels)
   ===  ==========================  ==================================================================
 
 - ``exercises``: the grading harness the test cells call (``exercises.checks`` for every chapter,
@@ -65,6 +66,7 @@ __all__ = [
     "graphs",
     "hybrid",
     "kernels",
+    "lm_head_loss",
     "memory_math",
     "mixed_precision",
     "models",

@@ -20,7 +20,10 @@ the same batches, and what separates them:
 
     baseline   fp32 weights and math (TF32 off), eager mode, AdamW's default (foreach) kernels
     optimized  bf16 autocast (fp32 master weights), SDPA's FlashAttention / cuDNN kernel (is_causal),
-               torch.compile, fused AdamW, optional activation checkpointing per block
+               torch.compile, fused AdamW, optional activation checkpointing per block, optional
+               (``fused_loss``) LM head and cross-entropy fused by row chunks (``lm_head_loss``: no
+               full logits tensor; compiled up to the final LayerNorm, its Triton kernels run as they are),
+               optional (``course_adam``) chapter 08's flat fused Adam instead of torch's fused AdamW
 
     from course_lib import capstone
     result = capstone.compare(capstone.RunConfig.for_this_machine(steps=20))
@@ -55,6 +58,7 @@ from course_lib import env, models
 from course_lib.accumulation_checkpointing import checkpointed_sequential, plain_sequential
 from course_lib.attention import tiled_attention, tiled_attention_backward
 from course_lib.flops import checkpoint_blocks, device_peak_flops, step_flops, utilization
+from course_lib.lm_head_loss import linear_cross_entropy
 from course_lib.optimizers import fused_supported
 from course_lib.support.dist import rank_device
 from course_lib.tensor_parallel import ParallelBlock
@@ -63,7 +67,7 @@ __all__ = [
     "TECHNIQUES", "CapstoneRun", "PartAttention", "Parts", "RunConfig", "RunResult", "Techniques", "TiledFlashAttention",
     "ablation", "assemble", "attention_from", "average_gradients", "bf16_autocast", "checkpointed_blocks", "compare",
     "course_flash_attention", "device_peak_flops", "flops_per_step", "fused_adam", "load_solutions", "main",
-    "peak_memory", "tiled_flash_attention", "train", "triton_flash_attention",
+    "peak_memory", "tiled_flash_attention", "train", "training_step", "triton_flash_attention",
 ]
 
 PRESETS = {"tiny": models.GPTConfig.tiny, "gpt2-small": models.GPTConfig.small}
@@ -83,6 +87,8 @@ class RunConfig:
     compile: bool = True
     fused_adam: bool = True
     checkpointing: bool = False
+    fused_loss: bool = False  # the LM head and loss by lm_head_loss.linear_cross_entropy, outside torch.compile
+    course_adam: bool = False  # chapter 08's FlatAdam (one kernel per step) instead of torch's AdamW
     seed: int = 0
 
     @classmethod
@@ -94,8 +100,9 @@ class RunConfig:
         )
 
     def baseline(self) -> RunConfig:
-        """The same run with every technique off: fp32, eager, default AdamW, no checkpointing."""
-        return replace(self, bf16=False, compile=False, fused_adam=False, checkpointing=False)
+        """The same run with every technique off: fp32, eager, default AdamW, no checkpointing, unfused loss."""
+        return replace(self, bf16=False, compile=False, fused_adam=False, checkpointing=False, fused_loss=False,
+                       course_adam=False)
 
     def model_config(self) -> models.GPTConfig:
         """The preset's GPT configuration, with ``seq_len`` if one is given."""
@@ -134,6 +141,47 @@ def _tf32(enabled: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[Callable[[], torch.Tensor], models.GPT, dict]:
+    """``run``'s GPT, optimizer and fixed synthetic batch, built once: (step, model, facts); ``step()`` trains one step.
+
+    ``facts`` says which kernels the step uses where the configuration leaves a choice
+    (``fused_adam``: torch's fused AdamW ran; ``course_adam``; ``fused_loss``).
+    """
+    device = device or env.DEVICE
+    cfg = run.model_config()
+    model = models.GPT(cfg, seed=run.seed).to(device)
+    if run.checkpointing:
+        checkpoint_blocks(model)
+    fused = run.fused_adam and fused_supported(device) and not run.course_adam
+    opt: torch.optim.Optimizer
+    if run.course_adam:  # chapter 08's flat Adam, as AdamW (decoupled decay, torch's default 0.01)
+        from course_lib.kernels.fusion import FlatAdam
+
+        opt = FlatAdam(model.parameters(), lr=run.lr, weight_decay=0.01, decoupled=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=run.lr, fused=fused or None)
+    if run.fused_loss:  # compiled up to the final LayerNorm; the chunked LM head and loss run their kernels as they are
+        final_hidden = functools.partial(_final_hidden, model)
+        step_hidden = torch.compile(final_hidden) if run.compile else final_hidden
+    else:
+        step_model = torch.compile(model) if run.compile else model
+    x, y = models.repeating_batch(cfg, run.batch_size, period=16, device=device, seed=run.seed)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if run.bf16 else contextlib.nullcontext()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with amp:
+            if run.fused_loss:
+                loss = linear_cross_entropy(step_hidden(x), model.lm_head.weight, y)
+            else:
+                _, loss = step_model(x, y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step, model, {"fused_adam": fused, "course_adam": run.course_adam, "fused_loss": run.fused_loss}
+
+
 def train(
     run: RunConfig, device: torch.device | None = None, progress: bool = True, peak: tuple[float, str] | None = None
 ) -> RunResult:
@@ -145,23 +193,7 @@ def train(
 
     device = device or env.DEVICE
     cfg = run.model_config()
-    model = models.GPT(cfg, seed=run.seed).to(device)
-    if run.checkpointing:
-        checkpoint_blocks(model)
-    fused = run.fused_adam and fused_supported(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, fused=fused or None)
-    step_model = torch.compile(model) if run.compile else model
-    x, y = models.repeating_batch(cfg, run.batch_size, period=16, device=device, seed=run.seed)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if run.bf16 else contextlib.nullcontext()
-
-    def step() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        with amp:
-            _, loss = step_model(x, y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
+    step, model, facts = training_step(run, device)
     losses: list[torch.Tensor] = []
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     label = "optimized" if run.bf16 or run.compile else "baseline"
@@ -187,8 +219,16 @@ def train(
         peak_source=source,
         params=model.num_params(),
         device=str(device),
-        extra={"fused_adam": fused},
+        extra=facts,
     )
+
+
+def _final_hidden(model: models.GPT, idx: torch.Tensor) -> torch.Tensor:
+    """The GPT's hidden states after the final LayerNorm, the LM head's input: (batch, time, d_model)."""
+    h = model.embed(idx)
+    for block in model.blocks:
+        h = block(h)
+    return model.ln_f(h)
 
 
 def compare(run: RunConfig, device: torch.device | None = None, progress: bool = True) -> dict:
@@ -239,10 +279,10 @@ def _attention_with(forward_fn: Callable[..., Any], backward_fn: Callable[..., A
 
 
 def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """Chapter 10's Triton FlashAttention (``kernels.flash_attention.flash_attention``); for a GPU."""
-    from course_lib.kernels.flash_attention import flash_attention
+    """Chapter 10's Triton FlashAttention: the Hopper forward where it applies, else the teaching kernels; for a GPU."""
+    from course_lib.kernels.flash_attention_hopper import flash_attention_tma
 
-    return flash_attention(q, k, v, causal)
+    return flash_attention_tma(q, k, v, causal)
 
 
 def course_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
@@ -570,11 +610,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--fused-loss", action="store_true", help="LM head + cross-entropy by row chunks (lm_head_loss)")
     parser.add_argument("--out", default=None, help="write the JSON here too")
     args = parser.parse_args(argv)
     run = RunConfig(args.preset, steps=args.steps, seq_len=args.seq_len,
                     batch_size=args.batch_size or (32 if args.preset == "gpt2-small" else 8),
                     compile=not args.no_compile and env.HAS_GPU, checkpointing=args.checkpointing,
+                    fused_loss=args.fused_loss,
                     warmup=5 if env.HAS_GPU else 3)
     summary = _summary(compare(run, progress=False))
     text = json.dumps(summary)

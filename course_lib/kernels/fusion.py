@@ -10,7 +10,8 @@
 - ``cross_entropy``: the mean cross-entropy of (tokens, vocabulary) logits, as ``F.cross_entropy``
   with ``ignore_index``: a forward kernel (online logsumexp, one read of the logits) and a backward
   kernel (softmax - onehot from the saved logsumexp) in an autograd.Function;
-  ``cross_entropy_forward`` and ``cross_entropy_backward`` are the two launches.
+  ``cross_entropy_forward`` and ``cross_entropy_backward`` are the two launches (the latter can
+  write over the logits, ``out=logits``, as ``course_lib.lm_head_loss`` does chunk by chunk).
 - ``adam_step_`` and ``FlatAdam``: a whole Adam/AdamW step in one pass over flat fp32 buffers.
 
 Every kernel computes in fp32 and stores in the tensor's own dtype. Under Triton's CPU
@@ -466,11 +467,25 @@ def cross_entropy_forward(logits: Tensor, targets: Tensor, *, ignore_index: int 
 
 
 def cross_entropy_backward(logits: Tensor, targets: Tensor, lse: Tensor, scale: Tensor, *, ignore_index: int = -100,
-                           block_size: int = CROSS_ENTROPY_BLOCK) -> Tensor:
-    """dlogits = (softmax(logits) - onehot(targets)) * scale, 0 on ignored rows, one kernel; ``scale``: 1 fp32 value."""
+                           block_size: int = CROSS_ENTROPY_BLOCK, out: Tensor | None = None) -> Tensor:
+    """dlogits = (softmax(logits) - onehot(targets)) * scale, 0 on ignored rows, one kernel; ``scale``: 1 fp32 value.
+
+    ``out``: a contiguous tensor shaped and typed like the logits to write dlogits into; it may be
+    the logits themselves (each program reads a block of its own row before writing that block, and
+    reads no element of the logits again), but no other view of their memory.
+    """
     _check_cross_entropy_args(logits, targets)
     n_rows, n_cols = logits.shape
-    dlogits = torch.empty(n_rows, n_cols, device=logits.device, dtype=logits.dtype)
+    if out is None:
+        dlogits = torch.empty(n_rows, n_cols, device=logits.device, dtype=logits.dtype)
+    else:
+        if out.shape != logits.shape or out.dtype != logits.dtype or out.device != logits.device or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {tuple(logits.shape)} {logits.dtype} tensor on {logits.device}, "
+                             f"got {tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}")
+        same_memory = out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+        if same_memory and (out.data_ptr() != logits.data_ptr() or out.stride() != logits.stride()):
+            raise ValueError("out shares memory with the logits: it must then be the logits themselves, contiguous")
+        dlogits = out
     block, warps = _cross_entropy_block(n_cols, block_size)
     if n_rows:
         _cross_entropy_bwd_kernel[(n_rows,)](logits, targets, lse, scale, dlogits, n_cols, logits.stride(0),

@@ -1,0 +1,169 @@
+"""Chapter 16's GPU record of the capstone's speed: tokens/s and MFU change by change, each with its profile.
+
+    python -m benchmarks.capstone_mfu [--out PATH] [--steps 20] [--quick]
+
+writes ``benchmarks/results/capstone_mfu_<gpu>.json`` (``-quick`` with ``--quick``). The run is
+``capstone.train`` on GPT-2 small's shape (32 x 1024 tokens a step; ``--quick``: the tiny GPT), and
+each row (``ROWS``) changes the optimized run of ``capstone_<gpu>.json`` (bf16 autocast,
+torch.compile, SDPA, fused AdamW): the LM head and loss fused by row chunks (the course's
+cross-entropy kernels, ``RunConfig.fused_loss``), then with it the course's flat fused Adam
+(``RunConfig.course_adam``) or twice the batch. Per row: tokens/s over the timed steps, MFU
+against the datasheet's dense bf16 peak and against cuBLAS's bf16 rate measured in the same run
+(the fastest rate a GEMM reaches here, at 8192^3 and at the model's MLP shape), and where the GPU
+time of a step goes: ``torch.profiler`` over ``PROFILED_STEPS`` steps, kernel time per category
+(``categorize``) and the largest kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.provenance import run_facts
+from benchmarks.report import gpu_slug
+from course_lib import capstone
+from course_lib.flops import device_peak_flops, utilization
+
+__all__ = ["CATEGORIES", "ROWS", "PROFILED_STEPS", "categorize", "main", "matmul_peak", "measure", "profile_step"]
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROFILED_STEPS = 3
+# Kernel (GPU) or operator (CPU) names to categories, first match wins: attention before matmul
+# (cuDNN's attention kernels carry "sm90" too), the loss before the elementwise rest.
+CATEGORIES: list[tuple[str, str]] = [
+    ("attention", r"fmha|flash|attention|sdpa|_attn"),
+    ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)\b|sm90_"),
+    ("loss", r"cross_entropy|log_?softmax|nll_loss"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("layer norm", r"layer_norm|layernorm"),
+    ("gelu", r"gelu"),
+]
+# Each row: (label, the fields it changes in the base run). Each row stands alone, so a change that
+# does not pay does not hide inside the rows after it.
+ROWS: list[tuple[str, dict[str, Any]]] = [
+    ("optimized: bf16, torch.compile, SDPA, fused AdamW", {}),
+    ("+ LM head and loss fused by row chunks", {"fused_loss": True}),
+    ("+ fused loss and the course's flat Adam", {"fused_loss": True, "course_adam": True}),
+    ("+ fused loss, batch x2", {"fused_loss": True, "batch_size": 2}),  # batch_size: a factor on the base run's
+]
+
+def categorize(name: str) -> str:
+    """The category of a kernel or operator name (``CATEGORIES``, first match), "other" when none matches."""
+    lowered = name.lower()
+    for category, pattern in CATEGORIES:
+        if re.search(pattern, lowered):
+            return category
+    return "other"
+
+
+def profile_step(step: Callable[[], Any], device: torch.device, steps: int = PROFILED_STEPS,
+                 top: int = 12) -> dict[str, Any]:
+    """Self time per category and the ``top`` largest kernels (GPU) or operators (CPU), in ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            step()
+        if on_gpu:
+            torch.cuda.synchronize(device)
+    return summarize(((e.key, e.self_device_time_total if on_gpu else e.self_cpu_time_total)
+                      for e in prof.key_averages()), steps, top, "GPU kernels" if on_gpu else "CPU operators")
+
+
+def summarize(rows: Iterable[tuple[str, float]], steps: int, top: int, what: str) -> dict[str, Any]:
+    """Microsecond totals by name over ``steps`` steps -> ms per step by category and the ``top`` names."""
+    by_name = {name: us / 1e3 / steps for name, us in rows if us > 0}
+    totals: dict[str, float] = {}
+    for name, ms in by_name.items():
+        totals[categorize(name)] = totals.get(categorize(name), 0.0) + ms
+    largest = sorted(by_name.items(), key=lambda item: -item[1])[:top]
+    return {"what": what, "steps": steps, "ms_per_step": sum(by_name.values()),
+            "categories": dict(sorted(totals.items(), key=lambda item: -item[1])),
+            "top": [{"name": name[:160], "category": categorize(name), "ms": ms} for name, ms in largest]}
+
+
+def matmul_peak(device: torch.device, shapes: Iterable[tuple[int, int, int]],
+                ms: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
+    """The best bf16 (fp32 on a CPU) matmul rate over ``shapes`` (m, n, k), with the rate of each."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rates = {}
+    for m, n, k in shapes:
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        rates[f"{m}x{n}x{k}"] = 2.0 * m * n * k / (ms(lambda a=a, b=b: a @ b) * 1e-3)  # type: ignore[misc]
+    return {"flops": max(rates.values()), "by_shape": rates, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def _row(label: str, run: capstone.RunConfig, device: torch.device, peak: tuple[float, str],
+         matmul: float) -> dict[str, Any]:
+    """Train ``run``, then profile steps of the same configuration."""
+    result = capstone.train(run, device, progress=False, peak=peak)
+    cfg = run.model_config()
+    step, _, _ = capstone.training_step(run, device)
+    for _ in range(2):  # compiled and warm before the profiler starts
+        step()
+    return {"label": label, "config": asdict(run), "tokens_per_s": result.tokens_per_s, "step_ms": result.step_s * 1e3,
+            "mfu": result.mfu, "mfu_vs_matmul": utilization(cfg, run.batch_size, result.step_s, matmul)[0],
+            "final_loss": result.losses[-1], "profile": profile_step(step, device)}
+
+
+def measure(device: torch.device, quick: bool, steps: int = 20) -> dict[str, Any]:
+    """Every row of ``CHANGES`` on ``device`` (GPT-2 small, or with ``quick`` the tiny GPT), with the run's facts."""
+    run = capstone.RunConfig.for_this_machine(steps=min(steps, 3) if quick else steps)
+    if quick:
+        run = replace(run, preset="tiny", batch_size=4, warmup=1)
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        def ms(fn: Callable[[], Any]) -> float:
+            return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    else:
+        from course_lib.profiling import benchmark
+
+        def ms(fn: Callable[[], Any]) -> float:
+            return benchmark(fn, repeat=5).median * 1e3
+    cfg = run.model_config()
+    tokens = run.batch_size * cfg.seq_len
+    matmul = matmul_peak(device, [(8192, 8192, 8192), (tokens, cfg.d_ff, cfg.d_model)] if device.type == "cuda"
+                         else [(256, 256, 256)], ms)
+    peak = device_peak_flops(device)
+    rows = []
+    for label, fields in ROWS:
+        changed = replace(run, **{**fields, "batch_size": run.batch_size * fields.get("batch_size", 1)})
+        rows.append(_row(label, changed, device, peak, matmul["flops"]))
+        print(f"{label:52} {rows[-1]['tokens_per_s']:12,.0f} tokens/s  MFU {rows[-1]['mfu']:.1%} "
+              f"(vs measured matmul {rows[-1]['mfu_vs_matmul']:.1%})", flush=True)
+    command = "python -m benchmarks.capstone_mfu" + (" --quick" if quick else "")
+    return {**run_facts(command), "peak_flops": peak[0], "peak_source": peak[1], "matmul_peak": matmul,
+            "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and write the record."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.capstone_mfu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/capstone_mfu_<gpu>.json")
+    parser.add_argument("--quick", action="store_true", help="the tiny GPT, three timed steps: a smoke run")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() and not args.quick:
+        parser.error("needs a CUDA GPU (a CPU run is a smoke run: add --quick)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    record = measure(device, args.quick, args.steps)
+    slug = gpu_slug(record["gpu"]) if device.type == "cuda" else "cpu"
+    out = args.out or RESULTS / f"capstone_mfu_{slug}{'-quick' if args.quick else ''}.json"
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
