@@ -23,7 +23,8 @@ the same batches, and what separates them:
                torch.compile, fused AdamW, optional activation checkpointing per block, optional
                (``fused_loss``) LM head and cross-entropy fused by row chunks (``lm_head_loss``: no
                full logits tensor; compiled up to the final LayerNorm, its Triton kernels run as they are),
-               optional (``course_adam``) chapter 08's flat fused Adam instead of torch's fused AdamW
+               optional (``course_adam``) chapter 08's flat fused Adam instead of torch's fused AdamW,
+               optional (``bf16_weights``) a bf16 model with fp32 master weights (chapter 06) instead of autocast
 
     from course_lib import capstone
     result = capstone.compare(capstone.RunConfig.for_this_machine(steps=20))
@@ -47,7 +48,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,7 @@ from course_lib.accumulation_checkpointing import checkpointed_sequential, plain
 from course_lib.attention import tiled_attention, tiled_attention_backward
 from course_lib.flops import checkpoint_blocks, device_peak_flops, step_flops, utilization
 from course_lib.lm_head_loss import linear_cross_entropy
+from course_lib.mixed_precision import MasterWeights
 from course_lib.optimizers import fused_supported
 from course_lib.support.dist import rank_device
 from course_lib.tensor_parallel import ParallelBlock
@@ -89,6 +91,7 @@ class RunConfig:
     checkpointing: bool = False
     fused_loss: bool = False  # the LM head and loss by lm_head_loss.linear_cross_entropy, outside torch.compile
     course_adam: bool = False  # chapter 08's FlatAdam (one kernel per step) instead of torch's AdamW
+    bf16_weights: bool = False  # a bf16 model (weights and activations) with fp32 master weights; needs fused_loss
     seed: int = 0
 
     @classmethod
@@ -102,7 +105,7 @@ class RunConfig:
     def baseline(self) -> RunConfig:
         """The same run with every technique off: fp32, eager, default AdamW, no checkpointing, unfused loss."""
         return replace(self, bf16=False, compile=False, fused_adam=False, checkpointing=False, fused_loss=False,
-                       course_adam=False)
+                       course_adam=False, bf16_weights=False)
 
     def model_config(self) -> models.GPTConfig:
         """The preset's GPT configuration, with ``seq_len`` if one is given."""
@@ -145,41 +148,60 @@ def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[C
     """``run``'s GPT, optimizer and fixed synthetic batch, built once: (step, model, facts); ``step()`` trains one step.
 
     ``facts`` says which kernels the step uses where the configuration leaves a choice
-    (``fused_adam``: torch's fused AdamW ran; ``course_adam``; ``fused_loss``).
+    (``fused_adam``: torch's fused AdamW ran; ``course_adam``; ``fused_loss``; ``bf16_weights``).
     """
     device = device or env.DEVICE
     cfg = run.model_config()
     model = models.GPT(cfg, seed=run.seed).to(device)
     if run.checkpointing:
         checkpoint_blocks(model)
+    if run.bf16_weights and not (run.bf16 and run.fused_loss):
+        raise ValueError("bf16_weights needs bf16 and fused_loss (whose loss is computed in fp32)")
+    # With bf16_weights (chapter 06's MasterWeights) the model itself is bf16, so are its activations,
+    # the residual stream included; the optimizer updates fp32 master copies.
+    master = MasterWeights(model, torch.bfloat16) if run.bf16_weights else None
+    if master is not None:
+        model = cast(models.GPT, master.model)
+        for p in master.params:
+            p.grad = torch.zeros_like(p)  # filled by a copy each step
+    params: list[torch.Tensor] = list(master.params if master is not None else model.parameters())
     fused = run.fused_adam and fused_supported(device) and not run.course_adam
     opt: torch.optim.Optimizer
     if run.course_adam:  # chapter 08's flat Adam, as AdamW (decoupled decay, torch's default 0.01)
         from course_lib.kernels.fusion import FlatAdam
 
-        opt = FlatAdam(model.parameters(), lr=run.lr, weight_decay=0.01, decoupled=True)
+        opt = FlatAdam(params, lr=run.lr, weight_decay=0.01, decoupled=True)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=run.lr, fused=fused or None)
+        opt = torch.optim.AdamW(params, lr=run.lr, fused=fused or None)
     if run.fused_loss:  # compiled up to the final LayerNorm; the chunked LM head and loss run their kernels as they are
         final_hidden = functools.partial(_final_hidden, model)
         step_hidden = torch.compile(final_hidden) if run.compile else final_hidden
     else:
         step_model = torch.compile(model) if run.compile else model
     x, y = models.repeating_batch(cfg, run.batch_size, period=16, device=device, seed=run.seed)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if run.bf16 else contextlib.nullcontext()
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if run.bf16 and master is None else contextlib.nullcontext()
+    lowp: list[torch.Tensor] = list(model.parameters())
 
     def step() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
+        (model if master is not None else opt).zero_grad(set_to_none=True)
         with amp:
             if run.fused_loss:
                 loss = linear_cross_entropy(step_hidden(x), model.lm_head.weight, y)
             else:
                 _, loss = step_model(x, y)
         loss.backward()
+        if master is not None:  # one fused copy each way: bf16 grads up to fp32, fp32 weights down to bf16
+            torch._foreach_copy_(cast(list[torch.Tensor], [p.grad for p in params]),
+                                 [torch.zeros_like(p) if p.grad is None else p.grad for p in lowp])
         opt.step()
+        if master is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(lowp, params)
         return loss.detach()
 
-    return step, model, {"fused_adam": fused, "course_adam": run.course_adam, "fused_loss": run.fused_loss}
+    facts = {"fused_adam": fused, "course_adam": run.course_adam, "fused_loss": run.fused_loss,
+             "bf16_weights": run.bf16_weights}
+    return step, model, facts
 
 
 def train(

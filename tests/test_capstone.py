@@ -39,8 +39,10 @@ def test_tiny_run_learns_and_reports():
 
 
 def test_baseline_switches_everything_off():
-    base = dataclasses.replace(capstone.RunConfig.for_this_machine(), fused_loss=True, course_adam=True).baseline()
-    assert not (base.bf16 or base.compile or base.fused_adam or base.checkpointing or base.fused_loss or base.course_adam)
+    base = dataclasses.replace(capstone.RunConfig.for_this_machine(), fused_loss=True, course_adam=True,
+                               bf16_weights=True).baseline()
+    assert not (base.bf16 or base.compile or base.fused_adam or base.checkpointing or base.fused_loss or base.course_adam
+                or base.bf16_weights)
 
 
 def test_course_adam_trains_as_adamw():
@@ -52,6 +54,24 @@ def test_course_adam_trains_as_adamw():
     assert plain.extra["course_adam"] is False
     assert flat.losses == pytest.approx(plain.losses, rel=1e-4)
     assert flat.losses[-1] != pytest.approx(flat.losses[0], rel=1e-3)  # it did train
+
+
+def test_bf16_weights_train_like_autocast():
+    # A bf16 model with fp32 master weights (chapter 06) against autocast over fp32 weights: the same
+    # run within bf16 rounding, and the master copies are what the optimizer updates.
+    run = capstone.RunConfig("tiny", steps=3, batch_size=2, seq_len=16, compile=False, warmup=1, lr=3e-3,
+                             fused_loss=True)
+    amp = capstone.train(run, progress=False, peak=(1e12, "test"))
+    low = capstone.train(dataclasses.replace(run, bf16_weights=True), progress=False, peak=(1e12, "test"))
+    assert low.extra["bf16_weights"] is True and amp.extra["bf16_weights"] is False
+    assert low.losses == pytest.approx(amp.losses, rel=2e-2)
+    step, model, _ = capstone.training_step(dataclasses.replace(run, bf16_weights=True))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the bf16 copy follows the master
+    with pytest.raises(ValueError, match="needs bf16 and fused_loss"):
+        capstone.training_step(dataclasses.replace(run, bf16_weights=True, fused_loss=False))
 
 
 def test_mfu_benchmark_profile_categories():
