@@ -31,7 +31,7 @@ ifeq ($(TORCH_BUILD),auto)
   TORCH_BUILD := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 endif
 
-.PHONY: install sandbox-deps browser-deps lab lab-instructor lint test test-repeat test-browser test-gpu notebooks-run multi-gpu multi-node release bench bench-grading site audit clean help
+.PHONY: install sandbox-deps browser-deps lab lab-instructor lint test test-repeat test-browser test-gpu notebooks-run multi-gpu multi-node release bench bench-records bench-grading site audit clean help
 help:
 	@sed -n '2,16p' Makefile
 
@@ -150,6 +150,12 @@ bench-grading: $(STAMP) sandbox-deps
 
 # Benchmark suite (on a CUDA machine): our kernels against PyTorch's, written to benchmarks/results/.
 bench: $(STAMP)
+	$(PY) -m benchmarks
+
+# Every one-GPU record the chapters render (docs/gpu-run.md lists which chapter reads which), then the suite.
+GPU_RECORDS := figures step_graphs mixed_precision cross_entropy tiling attention flash_steps gemm capstone capstone_mfu
+bench-records: $(STAMP)
+	@for m in $(GPU_RECORDS); do echo "== benchmarks.$$m"; $(PY) -m benchmarks.$$m || exit 1; done
 	$(PY) -m benchmarks
 
 # The course website (docs/website.md): both editions of every chapter, the guides and the benchmark records as

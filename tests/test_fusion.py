@@ -140,6 +140,15 @@ def test_bias_gelu_rejects_bad_bias():
         fusion.bias_gelu(torch.zeros(3, 4), torch.zeros(3))
 
 
+def test_bias_gelu_tiles_keep_offsets_within_32_bits():
+    # Offsets inside a tile are 32-bit (one 64-bit base per tile): BLOCK_M rows of a row length must stay below 2**31.
+    for n_rows, n_cols in [(8192, 8192), (1, 2**30), (3, 37), (2**20, 1024)]:
+        block_m, block_n = fusion._bias_gelu_blocks(n_rows, n_cols)
+        assert block_m * n_cols < 2**31 and block_n <= 1024 and block_m >= 1
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        fusion._bias_gelu_blocks(8, 2**29)  # four rows of 2**29 per tile: 2**31
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (3, 37), (2, 3, 64), (130, 5)])
 def test_softmax_single_block_fp32(shape):
     _check_softmax(shape, torch.float32, DEV)
