@@ -12,14 +12,13 @@ the residual stream and LayerNorms in bf16 instead of fp32) or twice the batch. 
 against the datasheet's dense bf16 peak and against cuBLAS's bf16 rate measured in the same run
 (the fastest rate a GEMM reaches here, at 8192^3 and at the model's MLP shape), and where the GPU
 time of a step goes: ``torch.profiler`` over ``PROFILED_STEPS`` steps, kernel time per category
-(``categorize``) and the largest kernels.
+and the largest kernels (``course_lib.profiling.profile_categories``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -31,21 +30,12 @@ from benchmarks.provenance import run_facts
 from benchmarks.report import gpu_slug
 from course_lib import capstone
 from course_lib.flops import device_peak_flops, utilization
+from course_lib.profiling import profile_categories
 
-__all__ = ["CATEGORIES", "ROWS", "PROFILED_STEPS", "categorize", "main", "matmul_peak", "measure", "profile_step"]
+__all__ = ["PROFILED_STEPS", "ROWS", "main", "matmul_peak", "measure"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROFILED_STEPS = 3
-# Kernel (GPU) or operator (CPU) names to categories, first match wins: attention before matmul
-# (cuDNN's attention kernels carry "sm90" too), the loss before the elementwise rest.
-CATEGORIES: list[tuple[str, str]] = [
-    ("attention", r"fmha|flash|attention|sdpa|_attn"),
-    ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)\b|sm90_"),
-    ("loss", r"cross_entropy|log_?softmax|nll_loss"),
-    ("optimizer", r"adam|multi_tensor|foreach"),
-    ("layer norm", r"layer_norm|layernorm"),
-    ("gelu", r"gelu"),
-]
 # Each row: (label, the fields it changes in the base run). Each row stands alone, so a change that
 # does not pay does not hide inside the rows after it.
 ROWS: list[tuple[str, dict[str, Any]]] = [
@@ -55,43 +45,6 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("+ fused loss, bf16 weights and activations", {"fused_loss": True, "bf16_weights": True}),
     ("+ fused loss, batch x2", {"fused_loss": True, "batch_size": 2}),  # batch_size: a factor on the base run's
 ]
-
-def categorize(name: str) -> str:
-    """The category of a kernel or operator name (``CATEGORIES``, first match), "other" when none matches."""
-    lowered = name.lower()
-    for category, pattern in CATEGORIES:
-        if re.search(pattern, lowered):
-            return category
-    return "other"
-
-
-def profile_step(step: Callable[[], Any], device: torch.device, steps: int = PROFILED_STEPS,
-                 top: int = 12) -> dict[str, Any]:
-    """Self time per category and the ``top`` largest kernels (GPU) or operators (CPU), in ms per step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    on_gpu = device.type == "cuda"
-    activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        for _ in range(steps):
-            step()
-        if on_gpu:
-            torch.cuda.synchronize(device)
-    return summarize(((e.key, e.self_device_time_total if on_gpu else e.self_cpu_time_total)
-                      for e in prof.key_averages()), steps, top, "GPU kernels" if on_gpu else "CPU operators")
-
-
-def summarize(rows: Iterable[tuple[str, float]], steps: int, top: int, what: str) -> dict[str, Any]:
-    """Microsecond totals by name over ``steps`` steps -> ms per step by category and the ``top`` names."""
-    by_name = {name: us / 1e3 / steps for name, us in rows if us > 0}
-    totals: dict[str, float] = {}
-    for name, ms in by_name.items():
-        totals[categorize(name)] = totals.get(categorize(name), 0.0) + ms
-    largest = sorted(by_name.items(), key=lambda item: -item[1])[:top]
-    return {"what": what, "steps": steps, "ms_per_step": sum(by_name.values()),
-            "categories": dict(sorted(totals.items(), key=lambda item: -item[1])),
-            "top": [{"name": name[:160], "category": categorize(name), "ms": ms} for name, ms in largest]}
-
 
 def matmul_peak(device: torch.device, shapes: Iterable[tuple[int, int, int]],
                 ms: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
@@ -114,7 +67,7 @@ def _row(label: str, run: capstone.RunConfig, device: torch.device, peak: tuple[
         step()
     return {"label": label, "config": asdict(run), "tokens_per_s": result.tokens_per_s, "step_ms": result.step_s * 1e3,
             "mfu": result.mfu, "mfu_vs_matmul": utilization(cfg, run.batch_size, result.step_s, matmul)[0],
-            "final_loss": result.losses[-1], "profile": profile_step(step, device)}
+            "final_loss": result.losses[-1], "profile": profile_categories(step, device, PROFILED_STEPS)}
 
 
 def measure(device: torch.device, quick: bool, steps: int = 20) -> dict[str, Any]:

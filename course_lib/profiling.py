@@ -8,6 +8,8 @@
   and a fake asynchronous device to test it on.
 - ``top_ops``, ``load_trace``, ``annotation_ranges``, ``memory_timeline``: read what
   ``torch.profiler`` recorded (its ``key_averages()`` and its Chrome trace).
+- ``profile_categories`` (with ``step_category``, ``time_by_category``): where a training step's
+  time goes, kernel or operator self time summed by part (matmul, attention, loss, ...).
 - ``*_flops_bytes``, ``arithmetic_intensity``, ``machine_balance``, ``achieved_rates``,
   ``classify_bound``, ``roofline_point``: the roofline model from shapes and dtypes.
 - ``roofline_gaps``: every operator of a measured step against its roof, the one with the most
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -41,6 +44,10 @@ __all__ = [
     "SimulatedDevice",
     "time_calls",
     "top_ops",
+    "STEP_CATEGORIES",
+    "step_category",
+    "time_by_category",
+    "profile_categories",
     "load_trace",
     "annotation_ranges",
     "memory_timeline",
@@ -378,6 +385,66 @@ def top_ops(source: Any, by: str = "self_cpu_time_total", k: int = 5) -> list[tu
     pairs = [(row.key, _read(row, by)) for row in rows]
     pairs.sort(key=lambda pair: (-pair[1], pair[0]))
     return pairs[:k]
+
+
+# Kernel (GPU) or operator (CPU) names to the part of a training step they belong to; the first
+# match wins: attention before matmul (cuDNN's attention kernels carry "sm90" too), the loss before
+# the elementwise rest.
+STEP_CATEGORIES: list[tuple[str, str]] = [
+    ("attention", r"fmha|flash|attention|sdpa|_attn"),
+    ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)\b|sm90_"),
+    ("loss", r"cross_entropy|log_?softmax|nll_loss"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("layer norm", r"layer_norm|layernorm"),
+    ("gelu", r"gelu"),
+]
+
+
+def step_category(name: str) -> str:
+    """The part of a training step a kernel or operator ``name`` belongs to (``STEP_CATEGORIES``), else "other"."""
+    lowered = name.lower()
+    for category, pattern in STEP_CATEGORIES:
+        if re.search(pattern, lowered):
+            return category
+    return "other"
+
+
+def time_by_category(rows: Iterable[tuple[str, float]], steps: int, top: int = 12, what: str = "") -> dict[str, Any]:
+    """(name, microseconds over ``steps`` steps) pairs -> ms per step by ``step_category`` and the ``top`` names.
+
+    ValueError unless steps >= 1. Names with no time are left out.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    by_name = {name: us / 1e3 / steps for name, us in rows if us > 0}
+    totals: dict[str, float] = {}
+    for name, ms in by_name.items():
+        totals[step_category(name)] = totals.get(step_category(name), 0.0) + ms
+    largest = sorted(by_name.items(), key=lambda item: (-item[1], item[0]))[:top]
+    return {"what": what, "steps": steps, "ms_per_step": sum(by_name.values()),
+            "categories": dict(sorted(totals.items(), key=lambda item: -item[1])),
+            "top": [{"name": name[:160], "category": step_category(name), "ms": ms} for name, ms in largest]}
+
+
+def profile_categories(step: Callable[[], Any], device: torch.device | str, steps: int = 3,
+                       top: int = 12) -> dict[str, Any]:
+    """Profile ``steps`` calls of ``step``: self time per ``step_category`` and the ``top`` entries, ms per step.
+
+    On a GPU it reads the CUDA kernels' device time (what the GPU spent, whatever the host did);
+    on a CPU, the operators' self CPU time. Run ``step`` a few times before: compilation and
+    autotuning would count otherwise.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.device(device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        if on_gpu:
+            torch.cuda.synchronize(device)
+    by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    return time_by_category(((row.key, _read(row, by)) for row in prof.key_averages()), steps, top,
+                            "GPU kernels" if on_gpu else "CPU operators")
 
 
 def load_trace(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -74,37 +74,12 @@ def test_bf16_weights_train_like_autocast():
         capstone.training_step(dataclasses.replace(run, bf16_weights=True, fused_loss=False))
 
 
-def test_mfu_benchmark_profile_categories():
-    from benchmarks import capstone_mfu as bench
-
-    names = {
-        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
-        "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNT": "matmul",
-        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7": "attention",
-        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>": "attention",
-        "triton_red_fused_native_layer_norm_backward_12": "layer norm",
-        "triton_poi_fused_gelu_gelu_backward_5": "gelu",
-        "_cross_entropy_fwd_kernel": "loss",
-        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, LogSoftMaxForwardEpilogue>": "loss",
-        "void at::native::fused_adam_kernel<float>": "optimizer",
-        "_adam_kernel": "optimizer",
-        "aten::addmm": "matmul",
-        "aten::mm": "matmul",
-        "aten::mul": "other",
-    }
-    assert {name: bench.categorize(name) for name in names} == names
-    summary = bench.summarize([("aten::mm", 3000.0), ("aten::mul", 600.0), ("_adam_kernel", 300.0), ("idle", 0.0)],
-                              steps=3, top=2, what="CPU operators")
-    assert summary["categories"] == pytest.approx({"matmul": 1.0, "other": 0.2, "optimizer": 0.1})
-    assert summary["ms_per_step"] == pytest.approx(1.3)
-    assert [row["name"] for row in summary["top"]] == ["aten::mm", "aten::mul"]
-
-
 def test_mfu_benchmark_profiles_a_step_and_the_matmul_peak():
     from benchmarks import capstone_mfu as bench
+    from course_lib import profiling
 
     a, b = torch.randn(64, 32), torch.randn(32, 16)
-    summary = bench.profile_step(lambda: a @ b, torch.device("cpu"), steps=2)
+    summary = profiling.profile_categories(lambda: a @ b, torch.device("cpu"), steps=2)
     assert summary["steps"] == 2 and summary["categories"].get("matmul", 0) > 0
     peak = bench.matmul_peak(torch.device("cpu"), [(64, 32, 16), (8, 8, 8)], lambda fn: (fn(), 0.5)[1])
     assert peak["by_shape"]["64x32x16"] == pytest.approx(2 * 64 * 32 * 16 / 0.5e-3)

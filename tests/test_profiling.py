@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from course_lib import profiling
 from course_lib.orientation import H200_SXM
 from course_lib.profiling import (
     A100_SXM,
@@ -363,3 +364,29 @@ def test_roofline_gaps_rank_by_the_time_above_the_roof() -> None:
     assert rows == [("aten::add", "memory", 2.0), ("aten::mm", "compute", 5.0)][::-1] + [("aten::copy_", "memory", 0.0)]
     tie = roofline_gaps({"a": (1, 100, 100), "b": (1, 100, 100)}, {"a": 2.0, "b": 2.0}, 100.0, 100.0)
     assert tie == [("a", "compute", 1.0), ("b", "compute", 1.0)]
+
+
+def test_step_profile_categories():
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+        "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNT": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7": "attention",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>": "attention",
+        "triton_red_fused_native_layer_norm_backward_12": "layer norm",
+        "triton_poi_fused_gelu_gelu_backward_5": "gelu",
+        "_cross_entropy_fwd_kernel": "loss",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, LogSoftMaxForwardEpilogue>": "loss",
+        "void at::native::fused_adam_kernel<float>": "optimizer",
+        "_adam_kernel": "optimizer",
+        "aten::addmm": "matmul",
+        "aten::mm": "matmul",
+        "aten::mul": "other",
+    }
+    assert {name: profiling.step_category(name) for name in names} == names
+    summary = profiling.time_by_category([("aten::mm", 3000.0), ("aten::mul", 600.0), ("_adam_kernel", 300.0),
+                                          ("idle", 0.0)], steps=3, top=2, what="CPU operators")
+    assert summary["categories"] == pytest.approx({"matmul": 1.0, "other": 0.2, "optimizer": 0.1})
+    assert summary["ms_per_step"] == pytest.approx(1.3)
+    assert [row["name"] for row in summary["top"]] == ["aten::mm", "aten::mul"]
+    with pytest.raises(ValueError, match="steps"):
+        profiling.time_by_category([], steps=0)
