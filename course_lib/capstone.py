@@ -301,10 +301,10 @@ def _attention_with(forward_fn: Callable[..., Any], backward_fn: Callable[..., A
 
 
 def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """Chapter 10's Triton FlashAttention: the Hopper forward where it applies, else the teaching kernels; for a GPU."""
-    from course_lib.kernels.flash_attention_hopper import flash_attention_tma
+    """Chapter 10's Triton FlashAttention (``kernels.flash_attention.flash_attention``); for a GPU."""
+    from course_lib.kernels.flash_attention import flash_attention
 
-    return flash_attention_tma(q, k, v, causal)
+    return flash_attention(q, k, v, causal)
 
 
 def course_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
