@@ -360,7 +360,14 @@ def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     n = q.shape[-2]
     mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, n, n, device=str(q.device)) if causal else None
     compiled = torch.compile(flex_attention)
-    return lambda: compiled(q, k, v, block_mask=mask)
+
+    def call() -> torch.Tensor:
+        # Compiled without donated buffers: the backward timing calls backward(retain_graph=True) on one graph
+        # again and again, which a backward that may overwrite its saved buffers refuses.
+        with torch._functorch.config.patch(donated_buffer=False):
+            return compiled(q, k, v, block_mask=mask)
+
+    return call
 
 
 ATTENTION_TARGETS = {"fwd": 0.9, "bwd": 0.85}
