@@ -24,21 +24,16 @@ recorded with its error and the run goes on.
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.provenance import run_facts
-from benchmarks.report import gpu_slug
+from benchmarks.provenance import record_main, run_facts
 
 __all__ = ["FULL", "QUICK", "attention_flops", "implementations", "main", "measure", "sweep"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FULL: dict[str, Any] = {"batch": 4, "heads": 32, "head_dim": 128, "seq_lens": [1024, 2048, 4096, 8192],
                         "warmup_ms": 25, "rep_ms": 100}
 QUICK: dict[str, Any] = {"batch": 1, "heads": 4, "head_dim": 128, "seq_lens": [512, 1024], "warmup_ms": 5, "rep_ms": 20}
@@ -161,18 +156,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure and write the record (CUDA only)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/attention_<gpu>.json")
-    parser.add_argument("--quick", action="store_true", help="small shapes, short timing: a smoke run")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    record = measure(args.quick)
-    out = args.out or RESULTS / f"attention_{gpu_slug(record['gpu'])}{'-quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}")
-    return 0
+    return record_main("attention", __doc__, measure, argv)
 
 
 if __name__ == "__main__":

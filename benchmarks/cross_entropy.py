@@ -23,21 +23,16 @@ recorded with its error and the run goes on.
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.provenance import run_facts
-from benchmarks.report import gpu_slug
+from benchmarks.provenance import record_main, run_facts
 
 __all__ = ["FULL", "QUICK", "case", "implementations", "main", "measure"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FULL = {"tokens": 8192, "vocabs": [50257, 128256], "warmup_ms": 25, "rep_ms": 100, "copy_numel": 2**28}
 QUICK = {"tokens": 1024, "vocabs": [50257], "warmup_ms": 5, "rep_ms": 20, "copy_numel": 2**24}
 IGNORED_EVERY = 8  # one row in 8 is padding
@@ -159,18 +154,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure and write the record (CUDA only)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cross_entropy", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/cross_entropy_<gpu>.json")
-    parser.add_argument("--quick", action="store_true", help="small shapes, short timing: a smoke run")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    record = measure(args.quick)
-    out = args.out or RESULTS / f"cross_entropy_{gpu_slug(record['gpu'])}{'-quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}")
-    return 0
+    return record_main("cross_entropy", __doc__, measure, argv)
 
 
 if __name__ == "__main__":

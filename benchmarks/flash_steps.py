@@ -24,17 +24,13 @@ before it is timed; a row that fails to compile or to match is recorded with its
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.provenance import run_facts
-from benchmarks.report import gpu_slug
+from benchmarks.provenance import record_main, run_facts
 from course_lib.kernels import flash_attention as fa
 from course_lib.kernels import flash_attention_hopper as fh
 
@@ -45,7 +41,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["FULL", "QUICK", "ceiling_forward", "main", "measure", "steps"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FULL: dict[str, Any] = {"batch": 4, "heads": 32, "seq": 4096, "head_dim": 128, "warmup_ms": 25, "rep_ms": 100}
 QUICK: dict[str, Any] = {"batch": 1, "heads": 4, "seq": 1024, "head_dim": 128, "warmup_ms": 5, "rep_ms": 20}
 TOLERANCE = 2e-2  # max |row - FA2| / max |FA2|, bf16
@@ -247,18 +242,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure and write the record (CUDA, sm90 for the TMA rows)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.flash_steps", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/flash_steps_<gpu>.json")
-    parser.add_argument("--quick", action="store_true", help="a smaller shape, short timing: a smoke run")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    record = measure(args.quick)
-    out = args.out or RESULTS / f"flash_steps_{gpu_slug(record['gpu'])}{'-quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}")
-    return 0
+    return record_main("flash_steps", __doc__, measure, argv)
 
 
 if __name__ == "__main__":

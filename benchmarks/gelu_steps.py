@@ -22,18 +22,14 @@ ones against what they compute); a row that fails to compile or to match is reco
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.provenance import run_facts
-from benchmarks.report import gpu_slug
+from benchmarks.provenance import record_main, run_facts
 from course_lib.kernels import fusion
 
 # isort: split
@@ -42,7 +38,6 @@ import triton.language as tl
 
 __all__ = ["FULL", "MATH", "QUICK", "TILES", "main", "math_forward", "measure", "steps"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FULL: dict[str, Any] = {"rows": 8192, "cols": 8192, "warmup_ms": 25, "rep_ms": 100}
 QUICK: dict[str, Any] = {"rows": 1024, "cols": 1024, "warmup_ms": 5, "rep_ms": 20}
 MATH = {0: "bias add only", 1: "+ one exponential", 2: "fitted erfc (fast_erf=True)", 3: "library erf (exact)"}
@@ -175,18 +170,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure and write the record (CUDA only)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gelu_steps", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/gelu_steps_<gpu>.json")
-    parser.add_argument("--quick", action="store_true", help="a smaller shape, short timing: a smoke run")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    record = measure(args.quick)
-    out = args.out or RESULTS / f"gelu_steps_{gpu_slug(record['gpu'])}{'-quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}")
-    return 0
+    return record_main("gelu_steps", __doc__, measure, argv)
 
 
 if __name__ == "__main__":

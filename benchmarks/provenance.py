@@ -1,6 +1,7 @@
 """The facts every record starts with: when, on which machine (GPU, driver, versions), by which command.
 
     record = {**run_facts("python -m benchmarks.tiling"), "sections": {...}}
+    raise SystemExit(record_main("flash_steps", __doc__, measure))   # --out PATH, --quick; CUDA only
 
 The same facts on a machine without a GPU say so ("none (CPU)"), so a CPU smoke run and a
 notebook run on a laptop are recorded by the one function.
@@ -8,14 +9,22 @@ notebook run on a laptop are recorded by the one function.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
+import json
 import platform
 import subprocess
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["driver_version", "machine_facts", "run_facts"]
+from benchmarks.report import gpu_slug
+
+__all__ = ["RESULTS", "driver_version", "machine_facts", "record_main", "record_path", "run_facts"]
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def driver_version() -> str:
@@ -55,3 +64,25 @@ def run_facts(command: str) -> dict[str, Any]:
         **machine_facts(),
         "command": command,
     }
+
+
+def record_path(name: str, gpu: str, quick: bool) -> Path:
+    """Where a record module writes by default: ``benchmarks/results/<name>_<gpu slug>[-quick].json``."""
+    return RESULTS / f"{name}_{gpu_slug(gpu)}{'-quick' if quick else ''}.json"
+
+
+def record_main(name: str, doc: str | None, measure: Callable[[bool], dict[str, Any]],
+                argv: list[str] | None = None) -> int:
+    """The command line of a one-GPU record module ``benchmarks.<name>``: ``--out PATH``, ``--quick``; needs CUDA."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help=f"default: benchmarks/results/{name}_<gpu>.json")
+    parser.add_argument("--quick", action="store_true", help="a smaller shape, short timing: a smoke run")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    record = measure(args.quick)
+    out = args.out or record_path(name, record["gpu"], args.quick)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0

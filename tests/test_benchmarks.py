@@ -321,3 +321,25 @@ def test_quick_run_writes_a_report(tmp_path: Path) -> None:
     assert [r["name"] for r in data["results"] if r["error"]] == [], out.stdout
     # A reference or context measurement that fails is a note on its row, not an error: none may fail either.
     assert [n for r in data["results"] for n in r["notes"] if " failed: " in n] == [], out.stdout
+
+
+def test_record_main_writes_what_measure_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import provenance
+
+    calls = []
+
+    def measure(quick: bool) -> dict:
+        calls.append(quick)
+        return {"gpu": "NVIDIA H200", "rows": [1.5]}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        provenance.record_main("steps", "doc", measure, [])
+    assert exc.value.code == 2 and calls == [], "without CUDA: a usage error before anything is measured"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    out = tmp_path / "r.json"
+    assert provenance.record_main("steps", "doc", measure, ["--quick", "--out", str(out)]) == 0
+    assert calls == [True] and json.loads(out.read_text()) == {"gpu": "NVIDIA H200", "rows": [1.5]}
+    assert provenance.record_path("steps", "NVIDIA H200", False) == provenance.RESULTS / "steps_h200.json"
+    assert provenance.record_path("steps", "NVIDIA H200", True).name == "steps_h200-quick.json"
