@@ -70,3 +70,31 @@ def test_steps_records_rates_and_errors(monkeypatch):
     assert failed == ["bias_gelu, library erf", "bias_gelu(fast_erf=True)"]
     assert all("Mismatched" in r["error"] or "not close" in r["error"] for r in record["rows"] if r["error"])
     assert len(timed) == len(record["rows"]) - 2
+
+
+def test_rounding_counts_ulps_and_misrounded_outputs():
+    from benchmarks import gelu_steps as gs
+
+    exact = torch.tensor([1.0, 1.0 + 2.0**-8, -3.0, 1e-8], dtype=torch.float64)
+    rounded = exact.to(torch.bfloat16)
+    assert gs.rounding(rounded, exact) == {"max_ulps": pytest.approx(0.5), "misrounded": 0.0}
+    # 1 + 2**-8 is a tie (half an ulp at 1). One output a whole ulp off (2**-6 at 3): one in four misrounded.
+    off = rounded.clone()
+    off[2] = -3.0 - 2.0**-6
+    got = gs.rounding(off, exact)
+    assert got["max_ulps"] == pytest.approx(1.0) and got["misrounded"] == pytest.approx(0.25)
+    # Below 1e-6 only the misrounded fraction counts: there fp32's 1 + erf has already lost every digit.
+    tiny = rounded.clone()
+    tiny[3] = 0.0
+    assert gs.rounding(tiny, exact)["max_ulps"] == pytest.approx(0.5)
+
+
+def test_exact_gelu_rows_record_their_rounding():
+    from benchmarks import gelu_steps as gs
+
+    record = gs.steps({"rows": 8, "cols": 32}, lambda fn: 0.5, device="cpu", compiled=False)
+    with_rounding = {r["label"] for r in record["rows"] if "rounding" in r}
+    assert with_rounding == {"bias_gelu, library erf", "bias_gelu(fast_erf=True)", gs.MATH[2], gs.MATH[3]}
+    # The interpreter's fp32 -> bf16 store truncates (a GPU rounds to nearest): up to one ulp here,
+    # half an ulp on a GPU (test_fusion's faithfully-rounded GPU test).
+    assert all(r["rounding"]["max_ulps"] < 1.01 for r in record["rows"] if "rounding" in r)
