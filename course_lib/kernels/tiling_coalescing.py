@@ -268,18 +268,14 @@ def l2_traffic(
     return hbm
 
 
-@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
-def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+def _tile_product(
+    a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    # One BLOCK_M x BLOCK_N tile of C per program. Each step of the K loop brings a BLOCK_M x BLOCK_K
-    # tile of A and a BLOCK_K x BLOCK_N tile of B on chip and uses every element BLOCK_N (or
-    # BLOCK_M) times: that reuse is what lifts the kernel off the memory roof.
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    # The (pid_m, pid_n) tile of A @ B, accumulated in fp32. Each step of the K loop brings a
+    # BLOCK_M x BLOCK_K tile of A and a BLOCK_K x BLOCK_N tile of B on chip and uses every element
+    # BLOCK_N (or BLOCK_M) times: that reuse is what lifts the kernel off the memory roof.
     # Rows and columns past the edge wrap around instead of being masked: their loads stay in bounds,
     # their results are never stored, and the K loop needs no M or N masks.
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
@@ -299,6 +295,21 @@ def _matmul_kernel(
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # One BLOCK_M x BLOCK_N tile of C per program, in grouped order for L2 reuse.
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    acc = _tile_product(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EVEN_K)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
