@@ -7,8 +7,10 @@
   (shared-memory banks and a conflict-free tile layout).
 - ``flash_attention`` (chapter 10): FlashAttention forward and backward; ``flash_attention_hopper``
   the forward through TMA tensor descriptors on sm90 (the same backward).
+- ``fused_mlp`` (chapter 16's capstone): the transformer MLP with its GELU in the epilogues of
+  chapter 09's matmul (chapter 08's fitted erfc), forward and backward.
 - ``probes`` (chapter 10's tests and experiments): is a kernel written, which course kernels it calls, which
   tiles it computes and masks under the interpreter.
 """
 
-__all__ = ["flash_attention", "flash_attention_hopper", "fusion", "probes", "tiling_coalescing"]
+__all__ = ["flash_attention", "flash_attention_hopper", "fused_mlp", "fusion", "probes", "tiling_coalescing"]
