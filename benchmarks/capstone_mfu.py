@@ -8,11 +8,12 @@ each row (``ROWS``) changes the optimized run of ``capstone_<gpu>.json`` (bf16 a
 torch.compile, SDPA, fused AdamW): the LM head and loss fused by row chunks (the course's
 cross-entropy kernels, ``RunConfig.fused_loss``), then with it the course's flat fused Adam
 (``RunConfig.course_adam``), a bf16 model with fp32 master weights (``RunConfig.bf16_weights``:
-the residual stream and LayerNorms in bf16 instead of fp32) or twice the batch. Per row: tokens/s over the timed steps, MFU
-against the datasheet's dense bf16 peak and against cuBLAS's bf16 rate measured in the same run
-(the fastest rate a GEMM reaches here, at 8192^3 and at the model's MLP shape), and where the GPU
-time of a step goes: ``torch.profiler`` over ``PROFILED_STEPS`` steps, kernel time per category
-and the largest kernels (``course_lib.profiling.profile_categories``).
+the residual stream and LayerNorms in bf16 instead of fp32), with it the MLP's GELU inside the
+epilogues of its matmuls (``RunConfig.fused_mlp``, ``kernels.fused_mlp``), or twice the batch.
+Per row: tokens/s over the timed steps, MFU against the datasheet's dense bf16 peak and against
+cuBLAS's bf16 rate measured in the same run (the fastest rate a GEMM reaches here, at 8192^3 and
+at the model's MLP shape), and where the GPU time of a step goes: ``torch.profiler`` over
+``PROFILED_STEPS`` steps, kernel time per category and the largest kernels (``course_lib.profiling.profile_categories``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("+ LM head and loss fused by row chunks", {"fused_loss": True}),
     ("+ fused loss and the course's flat Adam", {"fused_loss": True, "course_adam": True}),
     ("+ fused loss, bf16 weights and activations", {"fused_loss": True, "bf16_weights": True}),
+    ("+ fused loss, bf16 weights, GELU in matmul epilogues", {"fused_loss": True, "bf16_weights": True,
+                                                             "fused_mlp": True}),
     ("+ fused loss, batch x2", {"fused_loss": True, "batch_size": 2}),  # batch_size: a factor on the base run's
 ]
 

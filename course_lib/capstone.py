@@ -24,7 +24,8 @@ the same batches, and what separates them:
                (``fused_loss``) LM head and cross-entropy fused by row chunks (``lm_head_loss``: no
                full logits tensor; compiled up to the final LayerNorm, its Triton kernels run as they are),
                optional (``course_adam``) chapter 08's flat fused Adam instead of torch's fused AdamW,
-               optional (``bf16_weights``) a bf16 model with fp32 master weights (chapter 06) instead of autocast
+               optional (``bf16_weights``) a bf16 model with fp32 master weights (chapter 06) instead of autocast,
+               optional (``fused_mlp``) the MLP's GELU inside its matmuls' epilogues (``kernels.fused_mlp``)
 
     from course_lib import capstone
     result = capstone.compare(capstone.RunConfig.for_this_machine(steps=20))
@@ -92,6 +93,7 @@ class RunConfig:
     fused_loss: bool = False  # the LM head and loss by lm_head_loss.linear_cross_entropy, outside torch.compile
     course_adam: bool = False  # chapter 08's FlatAdam (one kernel per step) instead of torch's AdamW
     bf16_weights: bool = False  # a bf16 model (weights and activations) with fp32 master weights; needs fused_loss
+    fused_mlp: bool = False  # the MLP's GELU in the epilogues of its matmuls (kernels.fused_mlp); needs bias
     seed: int = 0
 
     @classmethod
@@ -105,7 +107,7 @@ class RunConfig:
     def baseline(self) -> RunConfig:
         """The same run with every technique off: fp32, eager, default AdamW, no checkpointing, unfused loss."""
         return replace(self, bf16=False, compile=False, fused_adam=False, checkpointing=False, fused_loss=False,
-                       course_adam=False, bf16_weights=False)
+                       course_adam=False, bf16_weights=False, fused_mlp=False)
 
     def model_config(self) -> models.GPTConfig:
         """The preset's GPT configuration, with ``seq_len`` if one is given."""
@@ -148,7 +150,7 @@ def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[C
     """``run``'s GPT, optimizer and fixed synthetic batch, built once: (step, model, facts); ``step()`` trains one step.
 
     ``facts`` says which kernels the step uses where the configuration leaves a choice
-    (``fused_adam``: torch's fused AdamW ran; ``course_adam``; ``fused_loss``; ``bf16_weights``).
+    (``fused_adam``: torch's fused AdamW ran; ``course_adam``; ``fused_loss``; ``bf16_weights``; ``fused_mlp``).
     """
     device = device or env.DEVICE
     cfg = run.model_config()
@@ -164,6 +166,11 @@ def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[C
         model = cast(models.GPT, master.model)
         for p in master.params:
             p.grad = torch.zeros_like(p)  # filled by a copy each step
+    if run.fused_mlp:  # the same fc and proj parameters, run by the fused kernels
+        from course_lib.kernels.fused_mlp import FusedFeedForward
+
+        for block in cast(list[models.Block], model.blocks):
+            block.mlp = FusedFeedForward(block.mlp)
     params: list[torch.Tensor] = list(master.params if master is not None else model.parameters())
     fused = run.fused_adam and fused_supported(device) and not run.course_adam
     opt: torch.optim.Optimizer
@@ -200,7 +207,7 @@ def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[C
         return loss.detach()
 
     facts = {"fused_adam": fused, "course_adam": run.course_adam, "fused_loss": run.fused_loss,
-             "bf16_weights": run.bf16_weights}
+             "bf16_weights": run.bf16_weights, "fused_mlp": run.fused_mlp}
     return step, model, facts
 
 

@@ -56,6 +56,22 @@ def test_course_adam_trains_as_adamw():
     assert flat.losses[-1] != pytest.approx(flat.losses[0], rel=1e-3)  # it did train
 
 
+def test_fused_mlp_trains_like_the_unfused_mlp():
+    # The MLP's GELU in its matmuls' epilogues (kernels.fused_mlp), in fp32: the same losses as the
+    # unfused model up to the fitted erfc's error, with the same parameters (the MLP modules are shared).
+    run = capstone.RunConfig("tiny", steps=3, batch_size=2, seq_len=16, compile=False, bf16=False, warmup=1, lr=3e-3)
+    plain = capstone.train(run, progress=False, peak=(1e12, "test"))
+    fused = capstone.train(dataclasses.replace(run, fused_mlp=True), progress=False, peak=(1e12, "test"))
+    assert fused.extra["fused_mlp"] is True and plain.extra["fused_mlp"] is False
+    assert fused.losses == pytest.approx(plain.losses, rel=1e-3)
+    assert fused.losses[-1] != pytest.approx(fused.losses[0], rel=1e-3)  # it did train
+    from course_lib.kernels.fused_mlp import FusedFeedForward
+
+    _, model, _ = capstone.training_step(dataclasses.replace(run, fused_mlp=True))
+    assert all(isinstance(block.mlp, FusedFeedForward) for block in model.blocks)
+    assert capstone.RunConfig(fused_mlp=True).baseline().fused_mlp is False
+
+
 def test_bf16_weights_train_like_autocast():
     # A bf16 model with fp32 master weights (chapter 06) against autocast over fp32 weights: the same
     # run within bf16 rounding, and the master copies are what the optimizer updates.
