@@ -25,12 +25,13 @@ recorded with its error and the run goes on.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.provenance import record_main, run_facts
+from benchmarks.provenance import median_ms, record_main, run_facts
 
 __all__ = ["FULL", "QUICK", "attention_flops", "implementations", "main", "measure", "sweep"]
 
@@ -72,16 +73,6 @@ def implementations() -> dict[str, Attention]:
         "course_lib": lambda q, k, v, causal: flash_attention(q, k, v, causal),
         "course_lib TMA": lambda q, k, v, causal: flash_attention_tma(q, k, v, causal),
     }
-
-
-def _do_bench(warmup_ms: int, rep_ms: int) -> Callable[[Callable[[], Any], list[torch.Tensor]], float]:
-    """Median milliseconds of a call by ``triton.testing.do_bench``, resetting the given tensors' grads."""
-    from triton.testing import do_bench
-
-    def ms(fn: Callable[[], Any], grad_to_none: list[torch.Tensor]) -> float:
-        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median"))
-
-    return ms
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -150,7 +141,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
     config = QUICK if quick else FULL
     return {
         **run_facts("python -m benchmarks.attention" + (" --quick" if quick else "")),
-        "sections": {"sweep": sweep(implementations(), config, _do_bench(config["warmup_ms"], config["rep_ms"]))},
+        "sections": {"sweep": sweep(implementations(), config, partial(median_ms, config))},
     }
 
 

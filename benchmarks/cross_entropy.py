@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.provenance import record_main, run_facts
+from benchmarks.provenance import median_ms, record_main, run_facts
 
 __all__ = ["FULL", "QUICK", "case", "implementations", "main", "measure"]
 
@@ -131,13 +131,10 @@ def _copy_gbps(numel: int, ms: Timer) -> float:
 
 def measure(quick: bool = False) -> dict[str, Any]:
     """The record: every shape, with the facts of the run (date, GPU, driver, versions)."""
-    from triton.testing import do_bench
-
     config: dict[str, Any] = QUICK if quick else FULL
 
     def ms(fn: Callable[[], Any], grads: list[torch.Tensor]) -> float:
-        return float(do_bench(fn, warmup=config["warmup_ms"], rep=config["rep_ms"], grad_to_none=grads or None,
-                              return_mode="median"))
+        return median_ms(config, fn, grads)
 
     impls = implementations("cuda")
     cases = []

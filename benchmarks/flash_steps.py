@@ -25,12 +25,13 @@ before it is timed; a row that fails to compile or to match is recorded with its
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.provenance import record_main, run_facts
+from benchmarks.provenance import median_ms, record_main, run_facts
 from course_lib.kernels import flash_attention as fa
 from course_lib.kernels import flash_attention_hopper as fh
 
@@ -229,15 +230,9 @@ def steps(config: dict[str, Any], ms: Ms, device: str = "cuda", dtype: torch.dty
 
 def measure(quick: bool = False) -> dict[str, Any]:
     """The record: every row at the full (or quick) shape, with the facts of the run."""
-    from triton.testing import do_bench
-
     config = QUICK if quick else FULL
-
-    def ms(fn: Callable[[], Any]) -> float:
-        return float(do_bench(fn, warmup=config["warmup_ms"], rep=config["rep_ms"], return_mode="median"))
-
     return {**run_facts("python -m benchmarks.flash_steps" + (" --quick" if quick else "")),
-            "sections": {"steps": steps(config, ms)}}
+            "sections": {"steps": steps(config, partial(median_ms, config))}}
 
 
 def main(argv: list[str] | None = None) -> int:

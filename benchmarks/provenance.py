@@ -2,6 +2,7 @@
 
     record = {**run_facts("python -m benchmarks.tiling"), "sections": {...}}
     raise SystemExit(record_main("flash_steps", __doc__, measure))   # --out PATH, --quick; CUDA only
+    ms = functools.partial(median_ms, config)                          # how those modules time a call: ms(fn)
 
 The same facts on a machine without a GPU say so ("none (CPU)"), so a CPU smoke run and a
 notebook run on a laptop are recorded by the one function.
@@ -22,7 +23,7 @@ import torch
 
 from benchmarks.report import gpu_slug
 
-__all__ = ["RESULTS", "driver_version", "machine_facts", "record_main", "record_path", "run_facts"]
+__all__ = ["RESULTS", "driver_version", "machine_facts", "median_ms", "record_main", "record_path", "run_facts"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -64,6 +65,15 @@ def run_facts(command: str) -> dict[str, Any]:
         **machine_facts(),
         "command": command,
     }
+
+
+def median_ms(config: dict[str, Any], fn: Callable[[], Any], grad_to_none: list[torch.Tensor] | None = None) -> float:
+    """Median milliseconds of ``fn()`` by ``triton.testing.do_bench`` (L2 flushed between calls), with ``config``'s
+    ``warmup_ms`` and ``rep_ms``; the tensors in ``grad_to_none`` get their ``.grad`` reset before each call."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=config["warmup_ms"], rep=config["rep_ms"], grad_to_none=grad_to_none or None,
+                          return_mode="median"))
 
 
 def record_path(name: str, gpu: str, quick: bool) -> Path:

@@ -343,3 +343,22 @@ def test_record_main_writes_what_measure_returns(tmp_path: Path, monkeypatch: py
     assert calls == [True] and json.loads(out.read_text()) == {"gpu": "NVIDIA H200", "rows": [1.5]}
     assert provenance.record_path("steps", "NVIDIA H200", False) == provenance.RESULTS / "steps_h200.json"
     assert provenance.record_path("steps", "NVIDIA H200", True).name == "steps_h200-quick.json"
+
+
+def test_median_ms_passes_the_config_and_grads_to_do_bench(monkeypatch):
+    import triton.testing
+
+    from benchmarks.provenance import median_ms
+
+    seen = {}
+
+    def fake_do_bench(fn, warmup, rep, grad_to_none=None, return_mode="mean"):
+        seen.update(warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode=return_mode, result=fn())
+        return 0.25
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    grads = [torch.zeros(2, requires_grad=True)]
+    assert median_ms({"warmup_ms": 5, "rep_ms": 20}, lambda: "ran", grads) == 0.25
+    assert seen == {"warmup": 5, "rep": 20, "grad_to_none": grads, "return_mode": "median", "result": "ran"}
+    median_ms({"warmup_ms": 5, "rep_ms": 20}, lambda: None, [])
+    assert seen["grad_to_none"] is None  # no tensors: nothing to reset
