@@ -367,6 +367,20 @@ def test_cross_entropy_all_rows_ignored_is_nan_like_torch():
     assert torch.isnan(fusion.cross_entropy(logits, targets)) and torch.isnan(F.cross_entropy(logits, targets))
 
 
+def test_cross_entropy_out_of_range_target_is_nan_and_reads_no_other_row():
+    # Targets vocab and -1 would read the next row's first logit and the row before's last one.
+    logits = _rand(4, 30).requires_grad_()
+    targets = torch.tensor([3, 30, -1, 29], device=DEV)
+    losses, _ = fusion.cross_entropy_forward(logits.detach(), targets, block_size=16)
+    assert torch.isnan(losses[1:3]).all(), f"rows whose target names no column must get a NaN loss, got {losses}"
+    good = torch.tensor([0, 3], device=DEV)
+    assert_close(losses[good], F.cross_entropy(logits.detach()[good], targets[good], reduction="none"), name="losses")
+    loss = fusion.cross_entropy(logits, targets, block_size=16)
+    loss.backward()
+    assert torch.isnan(loss), "one out-of-range target must make the mean NaN"
+    assert torch.isnan(logits.grad[1:3]).all() and torch.isfinite(logits.grad[good]).all()
+
+
 def test_cross_entropy_is_two_launches_and_saves_no_probabilities():
     from course_lib.support.launches import watch_launches
 

@@ -85,6 +85,14 @@ def test_all_rows_ignored_is_nan_like_torch():
     assert_close(dw, ref_dw, rtol=0, atol=0, name="dweight")
 
 
+def test_out_of_range_target_makes_the_loss_nan():
+    hidden, weight, targets = _inputs(10, 40, 8)
+    targets[3] = 40  # one past the vocabulary: no column to read
+    loss, dh, _ = _fused(hidden, weight, targets, chunk_rows=4)
+    assert torch.isnan(loss), f"a target outside the vocabulary must make the loss NaN, got {loss}"
+    assert torch.isnan(dh[3]).all() and torch.isfinite(dh[torch.arange(10, device=DEV) != 3]).all()
+
+
 def test_batch_time_input():
     hidden, weight, targets = _inputs(24, 70, 8, ignored=(5,), lead=(3, 8))
     loss, dh, dw = _fused(hidden, weight, targets, grad=2.0, chunk_rows=5)

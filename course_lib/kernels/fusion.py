@@ -11,7 +11,8 @@
   with ``ignore_index``: a forward kernel (online logsumexp, one read of the logits) and a backward
   kernel (softmax - onehot from the saved logsumexp) in an autograd.Function;
   ``cross_entropy_forward`` and ``cross_entropy_backward`` are the two launches (the latter can
-  write over the logits, ``out=logits``, as ``course_lib.lm_head_loss`` does chunk by chunk).
+  write over the logits, ``out=logits``, as ``course_lib.lm_head_loss`` does chunk by chunk). A
+  target outside [0, vocab) that is not ``ignore_index`` makes the loss NaN (torch raises there).
 - ``adam_step_`` and ``FlatAdam``: a whole Adam/AdamW step in one pass over flat fp32 buffers.
 
 Every kernel computes in fp32 and stores in the tensor's own dtype. Under Triton's CPU
@@ -415,10 +416,14 @@ def _cross_entropy_fwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, n_cols
         m = m_new
     lse = m + tl.log(s)
     target = tl.load(targets_ptr + row)
-    valid = target != ignore_index
-    # The target's logit: one more element, read only for rows that count (ignore_index = -100 is no column).
-    x_target = tl.load(base + target, mask=valid, other=0.0).to(tl.float32)
-    tl.store(loss_ptr + row, tl.where(valid, lse - x_target, 0.0))
+    counts = target != ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    # The target's logit: one more element, read only for rows that count and name a column. A row
+    # that counts but names no column gets a NaN loss: the mean turns NaN without a host sync
+    # (torch checks with a device-side assert instead), and nothing outside the row is read.
+    x_target = tl.load(base + target, mask=counts & in_range, other=0.0).to(tl.float32)
+    loss = tl.where(in_range, lse - x_target, float("nan"))
+    tl.store(loss_ptr + row, tl.where(counts, loss, 0.0))
     tl.store(lse_ptr + row, lse)
 
 
@@ -431,7 +436,10 @@ def _cross_entropy_bwd_kernel(logits_ptr, targets_ptr, lse_ptr, scale_ptr, dlogi
     target = tl.load(targets_ptr + row)
     lse = tl.load(lse_ptr + row)
     scale = tl.load(scale_ptr)  # d(loss)/d(loss of a row): grad_output / number of rows that count
-    scale = tl.where(target != ignore_index, scale, 0.0)
+    counts = target != ignore_index
+    scale = tl.where(counts, scale, 0.0)
+    # A row that counts but whose target names no column: a NaN gradient row, as its loss is NaN.
+    scale = tl.where(counts & ((target < 0) | (target >= n_cols)), float("nan"), scale)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -459,7 +467,7 @@ def _cross_entropy_block(n_cols: int, block_size: int) -> tuple[int, int]:
 
 def cross_entropy_forward(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
                           block_size: int = CROSS_ENTROPY_BLOCK) -> tuple[Tensor, Tensor]:
-    """(losses, lse) of (n, vocab) logits, one kernel: fp32 per-row loss (0 where ignored) and logsumexp."""
+    """(losses, lse) of (n, vocab) logits, one kernel: fp32 per-row loss (0 if ignored, NaN if no column) and logsumexp."""
     _check_cross_entropy_args(logits, targets)
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
@@ -523,6 +531,8 @@ def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
 
     One kernel forward (online logsumexp) and one backward (softmax - onehot from the saved
     logsumexp); rows whose target is ``ignore_index`` count neither in the mean nor in the gradient.
+    A target outside [0, vocab) that is not ``ignore_index`` gives a NaN loss and NaN gradient row
+    (no host sync to check it; F.cross_entropy raises instead).
     """
     return _CrossEntropy.apply(logits, targets, ignore_index, block_size)
 
