@@ -17,6 +17,9 @@ times four implementations of the same attention on the same inputs:
 Each is checked against the flash backend's output and gradients before it is timed. ``forward``
 is one call; ``forward + backward`` is a call and ``out.backward(dout)``, as a training step runs
 them. Each time is the median of ``triton.testing.do_bench`` (which flushes L2 between calls).
+Beside each, the host's time per call (``benchmarks.provenance.host_ms``: calls issued back to
+back, nothing waiting for the GPU): where it is the larger, the GPU idled between the calls and
+the row measures Python and launches, not the kernels.
 FLOPs: the forward 4 B H N^2 D, halved when causal; forward + backward 3.5 times that (the
 backward counted as 2.5 forwards, the usual convention). An implementation that fails at a size is
 recorded with its error and the run goes on.
@@ -31,9 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.provenance import median_ms, record_main, run_facts
+from benchmarks.provenance import host_ms, median_ms, record_main, run_facts
 
-__all__ = ["FULL", "QUICK", "attention_flops", "implementations", "main", "measure", "sweep"]
+__all__ = ["FULL", "QUICK", "attention_flops", "host_bound", "implementations", "main", "measure", "sweep"]
 
 FULL: dict[str, Any] = {"batch": 4, "heads": 32, "head_dim": 128, "seq_lens": [1024, 2048, 4096, 8192],
                         "warmup_ms": 25, "rep_ms": 100}
@@ -42,6 +45,7 @@ TRAIN_FACTOR = 3.5  # forward + backward, in forwards: 1 + 2.5
 TOLERANCE = 2e-2  # max |ours - reference| / max |reference|, bf16
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+Timer = Callable[[Callable[[], Any], list[torch.Tensor]], float]  # ms per call of fn, given the grads to reset
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> float:
@@ -80,8 +84,8 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _measure(fn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool,
-             flops: float, expected: tuple[torch.Tensor, ...], reference: str,
-             ms: Callable[[Callable[[], Any], list[torch.Tensor]], float]) -> tuple[dict[str, float], tuple[torch.Tensor, ...]]:
+             flops: float, expected: tuple[torch.Tensor, ...], reference: str, ms: Timer,
+             host: Timer | None) -> tuple[dict[str, float], tuple[torch.Tensor, ...]]:
     """Check ``fn`` against ``expected`` (none yet: it is the reference), then time it; its times, rates and results."""
     inputs = [q, k, v]
     out = fn(q, k, v, causal)
@@ -90,16 +94,26 @@ def _measure(fn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
         error = _relative_error(a, b)
         if not error <= TOLERANCE:  # NaN fails too
             raise AssertionError(f"{label} differs from {reference}'s: max error {error:.2e} x max|ref|")
-    forward_ms = ms(lambda: fn(q, k, v, causal), inputs)
-    train_ms = ms(lambda: fn(q, k, v, causal).backward(dout), inputs)
+    def forward() -> Any:
+        return fn(q, k, v, causal)
+
+    def train() -> None:
+        fn(q, k, v, causal).backward(dout)
+
+    forward_ms, train_ms = ms(forward, inputs), ms(train, inputs)
     rates = {"forward_ms": forward_ms, "train_ms": train_ms, "forward_tflops": flops / forward_ms / 1e9,
              "train_tflops": TRAIN_FACTOR * flops / train_ms / 1e9}
+    if host is not None:
+        rates.update(forward_host_ms=host(forward, inputs), train_host_ms=host(train, inputs))
     return rates, got
 
 
-def sweep(impls: dict[str, Attention], config: dict[str, Any], ms: Callable[[Callable[[], Any], list[torch.Tensor]], float],
-          device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """Time every implementation at every (causal, N) of ``config``; one row each, with its error or its times and rates."""
+def sweep(impls: dict[str, Attention], config: dict[str, Any], ms: Timer, device: str = "cuda",
+          dtype: torch.dtype = torch.bfloat16, host: Timer | None = None) -> dict[str, Any]:
+    """Time every implementation at every (causal, N) of ``config``; one row each, with its error or its times and rates.
+
+    ``host`` (optional) times the host's share of the same calls (``forward_host_ms``, ``train_host_ms``).
+    """
     batch, heads, dim = config["batch"], config["heads"], config["head_dim"]
     reference = next(iter(impls))
     rows = []
@@ -114,15 +128,17 @@ def sweep(impls: dict[str, Attention], config: dict[str, Any], ms: Callable[[Cal
             for name, fn in impls.items():
                 row: dict[str, Any] = {"implementation": name, "causal": causal, "seq": seq, "error": None}
                 try:
-                    rates, got = _measure(fn, q, k, v, dout, causal, flops, expected, reference, ms)
+                    rates, got = _measure(fn, q, k, v, dout, causal, flops, expected, reference, ms, host)
                     row.update(rates)
                     if name == reference:
                         expected = got
                 except Exception as exc:  # noqa: BLE001 - a failing implementation is a row of the record
                     row["error"] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
                 rows.append(row)
-                print(f"causal={causal!s:5} N={seq:5d} {name:12s} " + (
+                print(f"causal={causal!s:5} N={seq:5d} {name:14s} " + (
                     f"forward {row['forward_tflops']:6.1f} TFLOP/s, forward+backward {row['train_tflops']:6.1f}"
+                    + "".join(f", {what} host-bound ({row[what + '_host_ms']:.3f} ms host, {row[what + '_ms']:.3f} GPU)"
+                              for what in ("forward", "train") if host_bound(row, what))
                     if row["error"] is None else row["error"]), flush=True)
             del q, k, v, dout, expected
             if device == "cuda":
@@ -133,7 +149,15 @@ def sweep(impls: dict[str, Attention], config: dict[str, Any], ms: Callable[[Cal
         "flops": "forward 4 B H N^2 D, halved when causal; forward + backward 3.5 x forward",
         "timing": "median of triton.testing.do_bench (L2 flushed between calls); forward + backward is a call and "
                   "out.backward(dout), input grads reset to None before each",
+        "host_timing": None if host is None else "*_host_ms: median host time per call, 20 calls issued back to back "
+                       "without waiting for the GPU (benchmarks.provenance.host_ms); above the GPU time: host-bound",
     }
+
+
+def host_bound(row: dict[str, Any], what: str) -> bool:
+    """Whether a row's ``what`` ("forward" or "train") took the host longer per call than the GPU (False if not timed)."""
+    host = row.get(f"{what}_host_ms")
+    return row.get("error") is None and host is not None and host >= row[f"{what}_ms"]
 
 
 def measure(quick: bool = False) -> dict[str, Any]:
@@ -141,7 +165,8 @@ def measure(quick: bool = False) -> dict[str, Any]:
     config = QUICK if quick else FULL
     return {
         **run_facts("python -m benchmarks.attention" + (" --quick" if quick else "")),
-        "sections": {"sweep": sweep(implementations(), config, partial(median_ms, config))},
+        "sections": {"sweep": sweep(implementations(), config, partial(median_ms, config),
+                                    host=host_ms)},
     }
 
 

@@ -3,6 +3,7 @@
     record = {**run_facts("python -m benchmarks.tiling"), "sections": {...}}
     raise SystemExit(record_main("flash_steps", __doc__, measure))   # --out PATH, --quick; CUDA only
     ms = functools.partial(median_ms, config)                          # how those modules time a call: ms(fn)
+    host = host_ms(fn)                                                 # what the same call costs the CPU
 
 The same facts on a machine without a GPU say so ("none (CPU)"), so a CPU smoke run and a
 notebook run on a laptop are recorded by the one function.
@@ -14,7 +15,9 @@ import argparse
 import datetime as dt
 import json
 import platform
+import statistics
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,8 @@ import torch
 
 from benchmarks.report import gpu_slug
 
-__all__ = ["RESULTS", "driver_version", "machine_facts", "median_ms", "record_main", "record_path", "run_facts"]
+__all__ = ["RESULTS", "driver_version", "host_ms", "machine_facts", "median_ms", "record_main", "record_path",
+           "run_facts"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -74,6 +78,31 @@ def median_ms(config: dict[str, Any], fn: Callable[[], Any], grad_to_none: list[
 
     return float(do_bench(fn, warmup=config["warmup_ms"], rep=config["rep_ms"], grad_to_none=grad_to_none or None,
                           return_mode="median"))
+
+
+def host_ms(fn: Callable[[], Any], grad_to_none: list[torch.Tensor] | None = None, *, calls: int = 20,
+            repeats: int = 5, sync: Callable[[], Any] | None = None) -> float:
+    """Median milliseconds of the host's time per call of ``fn()``, ``calls`` calls issued back to back.
+
+    Nothing waits for the GPU between the calls, so this is what a call costs the CPU: Python,
+    dispatch, autotuner lookups, descriptor encoding, kernel launches (a call that synchronises
+    inside counts its wait). Where it exceeds :func:`median_ms`'s GPU time, the GPU idles between
+    calls and the call is host-bound. ``sync`` (default ``torch.cuda.synchronize``) runs before each
+    timed run and after the last, outside the timing.
+    """
+    sync = sync or torch.cuda.synchronize
+    fn()  # compile and autotune outside the timing
+    per_call = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            for t in grad_to_none or ():
+                t.grad = None
+            fn()
+        per_call.append((time.perf_counter() - start) * 1e3 / calls)
+    sync()
+    return statistics.median(per_call)
 
 
 def record_path(name: str, gpu: str, quick: bool) -> Path:

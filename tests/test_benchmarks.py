@@ -362,3 +362,26 @@ def test_median_ms_passes_the_config_and_grads_to_do_bench(monkeypatch):
     assert seen == {"warmup": 5, "rep": 20, "grad_to_none": grads, "return_mode": "median", "result": "ran"}
     median_ms({"warmup_ms": 5, "rep_ms": 20}, lambda: None, [])
     assert seen["grad_to_none"] is None  # no tensors: nothing to reset
+
+
+def test_host_ms_times_the_calls_and_not_the_waits():
+    import time
+
+    from benchmarks.provenance import host_ms
+
+    log = []
+    grads = [torch.zeros(2, requires_grad=True)]
+
+    def call():
+        assert grads[0].grad is None or not log, "grads must be reset before every timed call"
+        grads[0].grad = torch.ones(2)
+        log.append("call")
+        time.sleep(0.002)
+
+    def slow_sync():
+        log.append("sync")
+        time.sleep(0.03)  # a GPU still busy: must not count as the host's time per call
+
+    ms = host_ms(call, grads, calls=4, repeats=3, sync=slow_sync)
+    assert 2.0 <= ms < 2.0 + 30 / 4, f"{ms:.2f} ms per call: the syncs (30 ms each) leaked into the timing"
+    assert log == ["call"] + (["sync"] + ["call"] * 4) * 3 + ["sync"], log

@@ -241,12 +241,19 @@ def test_attention_benchmark_sweep_records_rates_and_errors():
     impls = {"math": lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
              "naive": naive, "off by one": lambda q, k, v, causal: naive(q, k, v, causal) + 1, "broken": broken}
     config = {"batch": 1, "heads": 2, "head_dim": 16, "seq_lens": [8, 16]}
-    result = bench.sweep(impls, config, lambda fn, grads: (fn(), 0.5)[1], device="cpu", dtype=torch.float32)
+    host_times = iter([0.1, 0.7] * 16)  # forward then forward + backward: the second above the GPU's 0.5 ms
+    result = bench.sweep(impls, config, lambda fn, grads: (fn(), 0.5)[1], device="cpu", dtype=torch.float32,
+                         host=lambda fn, grads: (fn(), next(host_times))[1])
     rows = {(r["implementation"], r["causal"], r["seq"]): r for r in result["rows"]}
     assert len(rows) == 4 * 2 * 2 and result["implementations"] == list(impls) and result["dtype"] == "float32"
     ok = rows[("naive", True, 16)]
     flops = bench.attention_flops(1, 2, 16, 16, True)
     assert ok["error"] is None and ok["forward_ms"] == 0.5
+    assert (ok["forward_host_ms"], ok["train_host_ms"]) == (0.1, 0.7) and result["host_timing"]
+    assert not bench.host_bound(ok, "forward") and bench.host_bound(ok, "train")
+    assert not bench.host_bound(rows[("broken", True, 8)], "train"), "a failed row is bound by nothing"
+    untimed = bench.sweep({"naive": naive}, config, lambda fn, grads: 0.5, device="cpu", dtype=torch.float32)
+    assert "forward_host_ms" not in untimed["rows"][0] and untimed["host_timing"] is None
     assert ok["forward_tflops"] == pytest.approx(flops / 0.5e-3 / 1e12)
     assert ok["train_tflops"] == pytest.approx(3.5 * flops / 0.5e-3 / 1e12)
     assert "differs from math's" in rows[("off by one", False, 8)]["error"]
