@@ -10,7 +10,8 @@ halved when causal) by the median of ``triton.testing.do_bench``, in four groups
 - ``reference``: SDPA pinned to its FlashAttention-2 backend and to cuDNN's (the fastest on Hopper);
 - ``step``: the teaching kernel at the chapter's fixed launch (``launch_config``), then autotuned;
   the TMA kernel (``flash_attention_hopper``) at the teaching tile (128 x 64), at 128 x 128, with
-  Triton's warp specialization at 8 and at 4 warps, then autotuned;
+  Triton's warp specialization at 8 and at 4 warps, with FlashAttention-4's softmax tricks (the lazy
+  rescale; part of the exponentials on the FMA pipes, by column or by key block; both), then autotuned;
 - ``ceiling`` (non-causal): the 128 x 128 TMA kernel with parts of the online softmax taken out:
   the two products alone, then the max and rescale without the exponentials, then all of it. The
   gaps between them are the time the softmax adds to the tensor-core work; cuBLAS's bf16 rate at
@@ -120,9 +121,10 @@ def _teaching_fixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return out
 
 
-def _tma(config: tuple[int, int, int, int] | None, warp_specialize: bool = False):
+def _tma(config: tuple[int, int, int, int] | None, **switches: Any) -> Callable[..., torch.Tensor]:
+    """The TMA forward at ``config`` (None: autotuned) with ``flash_attention_forward_tma``'s ``switches``."""
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        return fh.flash_attention_forward_tma(q, k, v, causal, config=config, warp_specialize=warp_specialize)[0]
+        return fh.flash_attention_forward_tma(q, k, v, causal, config=config, **switches)[0]
     return attend
 
 
@@ -135,8 +137,13 @@ def _forward_rows() -> list[tuple[str, str, Callable[..., torch.Tensor]]]:
         ("step", "teaching kernel, autotuned", lambda q, k, v, causal: fa.flash_attention_forward(q, k, v, causal)[0]),
         ("step", "TMA descriptors, 128x64, 8 warps, 3 stages", _tma((128, 64, 8, 3))),
         ("step", "TMA, 128x128, 8 warps, 3 stages", _tma((128, 128, 8, 3))),
-        ("step", "TMA 128x128 + warp specialization, 8 warps", _tma((128, 128, 8, 3), True)),
-        ("step", "TMA 128x128 + warp specialization, 4 warps", _tma((128, 128, 4, 3), True)),
+        ("step", "TMA 128x128 + warp specialization, 8 warps", _tma((128, 128, 8, 3), warp_specialize=True)),
+        ("step", "TMA 128x128 + warp specialization, 4 warps", _tma((128, 128, 4, 3), warp_specialize=True)),
+        ("step", "TMA 128x128 + lazy rescale (FA4)", _tma((128, 128, 8, 3), lazy_rescale=True)),
+        ("step", "TMA 128x128 + odd columns' exp2 on FMA pipes (FA4)", _tma((128, 128, 8, 3), poly_exp2=1)),
+        ("step", "TMA 128x128 + odd key blocks' exp2 on FMA pipes", _tma((128, 128, 8, 3), poly_exp2=2)),
+        ("step", "TMA 128x128 + lazy rescale + odd columns on FMA", _tma((128, 128, 8, 3), lazy_rescale=True,
+                                                                          poly_exp2=1)),
         ("step", "TMA, autotuned (flash_attention_tma)", _tma(None)),
     ]
 

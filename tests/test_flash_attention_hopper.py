@@ -147,6 +147,48 @@ def test_steps_benchmark_records_rates_and_errors():
     assert record["matmul_tflops"] > 0 and len(calls) == sum(r["error"] is None for r in record["rows"]) + 1
 
 
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+def test_exp2_fma_is_within_its_stated_error():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def apply(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, fh.exp2_fma(tl.load(x_ptr + offs, mask=offs < n, other=0.0)), mask=offs < n)
+
+    x = torch.cat([torch.linspace(-126, 8, 4001), torch.arange(-20.0, 9.0), torch.tensor([-127.5, -300.0])])
+    y = torch.empty_like(x)
+    apply[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    want = torch.exp2(x.double())
+    normal = x >= -126
+    relative = ((y.double() - want) / want)[normal].abs()
+    assert relative.max() < 1e-4, f"worst relative error {relative.max():.2e} at x = {x[normal][relative.argmax()]}"
+    assert torch.equal(y[4001:4030], torch.exp2(torch.arange(-20.0, 9.0))), "2^k for integer k must be exact"
+    assert (y[-2:] < 1e-37).all() and (y[-2:] >= 0).all(), f"far below -126: about 0, got {y[-2:]}"
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lazy_rescale, poly_exp2", [(True, 0), (False, 1), (False, 2), (True, 1), (True, 2)])
+@pytest.mark.parametrize("scores", ["flat", "rising"])
+def test_softmax_switches_compute_the_same_attention(lazy_rescale, poly_exp2, causal, scores):
+    # "flat": small scores, the running max never moves by 8 after the first block, so the stale max is
+    # used throughout; "rising": every key block's scores are larger than the last's, so it moves often.
+    q, k, v = _qkv((1, 2, 64, 16), seed=3)
+    if scores == "flat":
+        q = q * 0.1
+    else:
+        k = k + torch.linspace(0, 12, 64).view(1, 1, 64, 1) * torch.sign(q.mean(2, keepdim=True))
+    want, want_lse = fh.flash_attention_forward_tma(q, k, v, causal)
+    out, lse = fh.flash_attention_forward_tma(q, k, v, causal, lazy_rescale=lazy_rescale, poly_exp2=poly_exp2)
+    tol = 2e-4 if poly_exp2 else 1e-5  # the cubic's 1e-4 relative error in P
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, want_lse, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="poly_exp2"):
+        fh.flash_attention_forward_tma(q, k, v, causal, poly_exp2=3)
+
+
 # ---------------------------------------------------------------- GPU tier
 
 
@@ -182,13 +224,16 @@ def test_fixed_config_and_its_checks_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config, warp_specialize", [((128, 64, 8, 3), False), ((128, 128, 8, 3), True)])
-def test_fixed_configs_gpu(config, warp_specialize, causal):
-    # The launches the benchmark measures one by one, warp specialization included (it compiles at 8 warps).
+@pytest.mark.parametrize("config, switches", [
+    ((128, 64, 8, 3), {}), ((128, 128, 8, 3), {"warp_specialize": True}), ((128, 128, 8, 3), {"lazy_rescale": True}),
+    ((128, 128, 8, 3), {"poly_exp2": 1}), ((128, 128, 8, 3), {"poly_exp2": 2}),
+    ((128, 128, 8, 3), {"lazy_rescale": True, "poly_exp2": 1})])
+def test_fixed_configs_gpu(config, switches, causal):
+    # The launches the benchmark measures one by one: warp specialization (it compiles at 8 warps), FA4's tricks.
     if not _hopper():
         pytest.skip("TMA needs sm90+: this GPU runs the teaching kernels, tested in test_flash_attention.py")
     q, k, v = _qkv((2, 4, 1024, 128), torch.bfloat16, "cuda")
-    out, lse = fh.flash_attention_forward_tma(q, k, v, causal, config=config, warp_specialize=warp_specialize)
+    out, lse = fh.flash_attention_forward_tma(q, k, v, causal, config=config, **switches)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     torch.testing.assert_close(out.float(), ref, rtol=4e-2, atol=4e-2)
     torch.testing.assert_close(lse, att.attention_lse(q.float(), k.float(), causal), rtol=1e-2, atol=1e-2)

@@ -22,6 +22,18 @@ What this kernel changes from the teaching one, each measured in ``benchmarks.fl
 Triton 3.6's warp specialization (``tl.range(..., warp_specialize=True)``) is a switch here so
 that the benchmark can measure it; it is off because it did not pay on sm90 (see the record).
 
+Two switches try what FlashAttention-4 does to shorten the softmax (as described in Modal's 2025
+blog post that reverse-engineered it), each measured as a step of ``benchmarks.flash_steps``:
+
+5. ``lazy_rescale``: the running max moves only when some row's max has grown by more than
+   ``RESCALE_AFTER`` (8, in log2 units); until then the stale max stays, the probabilities may
+   reach 2^8, and the rescale of the accumulator (BLOCK_M x head_dim multiplies) is skipped. The
+   result is exact: the logsumexp and the final division use the same max as the sums.
+6. ``poly_exp2``: part of the exponentials computed on the FMA pipes by a cubic polynomial
+   (``exp2_fma``) instead of the special-function unit, which returns 16 results per SM and clock
+   against the FMA pipes' 128 (the CUDA C++ Programming Guide's throughput table, compute
+   capability 9.0): 1, the odd columns of every tile; 2, every other key block.
+
 The backward is the teaching module's three kernels (``flash_attention.flash_attention_backward``);
 it needs only O and the logsumexp, which this forward writes in the same layout.
 
@@ -49,6 +61,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = [
     "TMA_CONFIGS",
+    "RESCALE_AFTER",
+    "EXP2_COEFFS",
+    "exp2_fma",
     "tma_forward_kernel",
     "tma_applies",
     "flash_attention_forward_tma",
@@ -63,10 +78,48 @@ _BLOCK_ROWS = 128  # the largest BLOCK_M / BLOCK_N above: N must be a multiple o
 _MASKED = tl.constexpr(-1.0e30)  # finite, as in the teaching kernel: a fully masked row stays NaN-free
 _LOG2E = tl.constexpr(teaching.LOG2E)
 
+# Lazy rescale: how far (log2 units) a row's max may run ahead of the max in use: p <= 2^8, far inside fp32 and bf16.
+RESCALE_AFTER: float = 8.0
+_RESCALE_AFTER = tl.constexpr(RESCALE_AFTER)
+# 2^f ~= 1 + f (c1 + f (c2 + f c3)) on [0, 1): a least-squares fit of the relative error, reweighted towards its
+# maximum (8.6e-5, well under bf16's half-ulp of 2e-3, the precision P is used at). p(0) = 1: integers are exact.
+EXP2_COEFFS: tuple[float, float, float] = (0.6951163386766311, 0.22764698465846603, 0.07706521678347895)
+_EXP2_C1, _EXP2_C2, _EXP2_C3 = (tl.constexpr(c) for c in EXP2_COEFFS)
+
+
+@triton.jit
+def exp2_fma(x):
+    """2^x for fp32 ``x`` <= 128 on the FMA and integer pipes: 2^floor(x) put straight into the exponent bits of
+    the cubic's 2^frac(x). Relative error below 1e-4; about 0 (a denormal or 0) below -127."""
+    x = tl.maximum(x, -127.0)
+    whole = tl.floor(x)
+    f = x - whole
+    mantissa = 1.0 + f * (_EXP2_C1 + f * (_EXP2_C2 + f * _EXP2_C3))  # in [1, 2)
+    bits = mantissa.to(tl.int32, bitcast=True) + (whole.to(tl.int32) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp2(x, POLY_EXP2: tl.constexpr, odd_block):
+    """2^x of a (rows, cols) tile: all on the special-function unit (0), its odd columns by ``exp2_fma`` (1), or
+    all by ``exp2_fma`` in odd key blocks (2)."""
+    if POLY_EXP2 == 1:
+        even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+        p = tl.reshape(tl.join(tl.math.exp2(even), exp2_fma(odd)), [x.shape[0], x.shape[1]])
+    elif POLY_EXP2 == 2:
+        if odd_block:
+            p = exp2_fma(x)
+        else:
+            p = tl.math.exp2(x)
+    else:
+        p = tl.math.exp2(x)
+    return p
+
 
 @triton.jit
 def _tma_blocks(acc, m_i, l_i, q, desc_k, desc_v, row0, lo, hi, offs_m, qk_scale,
-                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                LAZY_RESCALE: tl.constexpr, POLY_EXP2: tl.constexpr):
     """Fold key blocks [lo, hi) of the head whose rows start at ``row0`` into (acc, m_i, l_i); scores in log2 units."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -76,19 +129,33 @@ def _tma_blocks(acc, m_i, l_i, q, desc_k, desc_v, row0, lo, hi, offs_m, qk_scale
             s = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], s, _MASKED)
         # The max of the raw scores, scaled once per row; below, scale and shift fuse into one FMA.
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = desc_v.load([row0 + start_n, 0])  # issued after the first product: its wait overlaps the softmax
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        odd_block = (start_n // BLOCK_N) % 2 == 1
+        if LAZY_RESCALE:
+            # One test for the whole tile: move to the new max (and rescale) only once some row needs it.
+            if tl.max(m_new - m_i, 0) > _RESCALE_AFTER:
+                alpha = tl.math.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = _exp2(s * qk_scale - m_i[:, None], POLY_EXP2, odd_block)
+            l_i = l_i + tl.sum(p, 1)
+            v = desc_v.load([row0 + start_n, 0])
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        else:
+            p = _exp2(s * qk_scale - m_new[:, None], POLY_EXP2, odd_block)
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = desc_v.load([row0 + start_n, 0])  # issued after the first product: its wait overlaps the softmax
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
 def tma_forward_kernel(desc_q, desc_k, desc_v, desc_o, LSE, qk_scale, N,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                       CAUSAL: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                       POLY_EXP2: tl.constexpr):
     """One program: BLOCK_M query rows of one (batch, head), through descriptors of (B*H*N, D) views; N % BLOCK_M == 0."""
     if CAUSAL:
         start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest programs first
@@ -104,12 +171,12 @@ def tma_forward_kernel(desc_q, desc_k, desc_v, desc_o, LSE, qk_scale, N,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
         acc, m_i, l_i = _tma_blocks(acc, m_i, l_i, q, desc_k, desc_v, row0, 0, first, offs_m, qk_scale,
-                                    BLOCK_N, False, WARP_SPECIALIZE)
+                                    BLOCK_N, False, WARP_SPECIALIZE, LAZY_RESCALE, POLY_EXP2)
         acc, m_i, l_i = _tma_blocks(acc, m_i, l_i, q, desc_k, desc_v, row0, first, first + BLOCK_M, offs_m, qk_scale,
-                                    BLOCK_N, True, False)
+                                    BLOCK_N, True, False, LAZY_RESCALE, POLY_EXP2)
     else:
         acc, m_i, l_i = _tma_blocks(acc, m_i, l_i, q, desc_k, desc_v, row0, 0, N, offs_m, qk_scale,
-                                    BLOCK_N, False, WARP_SPECIALIZE)
+                                    BLOCK_N, False, WARP_SPECIALIZE, LAZY_RESCALE, POLY_EXP2)
     tl.store(LSE + bh * N + offs_m, (m_i + tl.math.log2(l_i)) / _LOG2E)  # natural-log logsumexp
     desc_o.store([row0 + first, 0], (acc / l_i[:, None]).to(q.dtype))
 
@@ -126,7 +193,7 @@ def _set_block_shapes(nargs: dict[str, Any]) -> None:
 _tma_fwd = triton.autotune(
     [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=_set_block_shapes)
      for m, n, w, s in TMA_CONFIGS],
-    key=["N", "HEAD_DIM", "CAUSAL"],
+    key=["N", "HEAD_DIM", "CAUSAL", "LAZY_RESCALE", "POLY_EXP2"],
 )(tma_forward_kernel)
 
 
@@ -153,17 +220,21 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
 
 def flash_attention_forward_tma(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None,
-    config: tuple[int, int, int, int] | None = None, warp_specialize: bool = False,
+    config: tuple[int, int, int, int] | None = None, warp_specialize: bool = False, lazy_rescale: bool = False,
+    poly_exp2: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output (dtype of q) and fp32 logsumexp (batch, heads, seq) by the TMA kernel; raises where it does not apply.
 
     ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) launches that one configuration instead of
     the autotuned ones (16 x 16 tiles under the interpreter); ``warp_specialize`` needs a ``config``.
+    ``lazy_rescale`` and ``poly_exp2`` (0, 1 or 2) are steps 5 and 6 of the module's docstring.
     """
     teaching._check(q, k, v)
     if not tma_applies(q):
         raise ValueError(f"the TMA forward needs sm90+, fp16/bf16 and seq % {_BLOCK_ROWS} == 0; got {q.dtype} "
                          f"of shape {tuple(q.shape)} on {q.device} (flash_attention_tma falls back by itself)")
+    if poly_exp2 not in (0, 1, 2):
+        raise ValueError(f"poly_exp2 is 0 (none), 1 (odd columns) or 2 (odd key blocks), got {poly_exp2!r}")
     if warp_specialize and config is None:
         raise ValueError("warp_specialize needs a config: Triton 3.6 cannot compile it for every autotuned one")
     b, h, n, d = q.shape
@@ -179,12 +250,13 @@ def flash_attention_forward_tma(
     dq, do = (TensorDescriptor.from_tensor(t, [block_m, d]) for t in (qm, out))
     dk, dv = (TensorDescriptor.from_tensor(t, [block_n, d]) for t in (km, vm))
     args = (dq, dk, dv, do, lse, scale * teaching.LOG2E, n)
+    switches = {"CAUSAL": bool(causal), "LAZY_RESCALE": bool(lazy_rescale), "POLY_EXP2": int(poly_exp2)}
     if config is None:
-        _tma_fwd[lambda m: (n // m["BLOCK_M"], b * h)](*args, HEAD_DIM=d, CAUSAL=bool(causal), WARP_SPECIALIZE=False)
+        _tma_fwd[lambda m: (n // m["BLOCK_M"], b * h)](*args, HEAD_DIM=d, WARP_SPECIALIZE=False, **switches)
     else:
         tma_forward_kernel[(n // block_m, b * h)](
-            *args, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
-            WARP_SPECIALIZE=bool(warp_specialize), num_warps=config[2], num_stages=config[3])
+            *args, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPECIALIZE=bool(warp_specialize),
+            num_warps=config[2], num_stages=config[3], **switches)
     return out.view(b, h, n, d).to(q.dtype), lse
 
 
