@@ -1,7 +1,8 @@
 """Timing that tells the truth, reading profiles, and the roofline model (chapter 03).
 
 - ``benchmark`` / ``Timing``: warm-up, repeats, median and spread; on a GPU the device's time
-  (launch gap outside the interval, L2 flushed, optionally amortised or replayed as a CUDA graph).
+  (launch gap outside the interval however slow the host, L2 flushed, optionally amortised or
+  replayed as a CUDA graph); ``hold_cycles``: how long it keeps the GPU busy before each repeat.
 - ``naive_event_timing``, ``compare_timers``: the timer not to use, and five timers side by side.
 - ``plot_timings``: medians with their spread on an axis that starts at zero.
 - ``time_calls`` and ``SimulatedDevice``: a timer with an injected clock (median and durations),
@@ -37,6 +38,8 @@ from course_lib.orientation import GPUSpec, roofline
 __all__ = [
     "Timing",
     "benchmark",
+    "MAX_HOLD_SECONDS",
+    "hold_cycles",
     "naive_event_timing",
     "TIMERS",
     "compare_timers",
@@ -136,9 +139,13 @@ def benchmark(
       with ``flush_l2=False`` a short sleep kernel is queued instead, for working sets meant to
       stay in L2;
     - either way the stream is busy when the start event is recorded, so the host's launch of
-      ``fn`` happens while the GPU works on that filler, and the launch gap, an idle stream's
-      few microseconds, stays outside the interval (an event recorded on an idle stream fires at
-      once, before ``fn``'s kernels are even queued);
+      ``fn`` happens while the GPU works on that filler, and the launch gap stays outside the
+      interval (an event recorded on an idle stream fires at once, before ``fn``'s kernels are
+      even queued). The filler alone covers a few tens of microseconds; a call whose Python takes
+      longer (wrappers, autotuner lookups, tensor descriptors) would leave the GPU idle inside the
+      interval. So the host's time to launch one repeat is measured first (the median of three
+      untimed repeats, each on an idle GPU), and a sleep kernel about 1.5 times as long (at most
+      ``MAX_HOLD_SECONDS``) follows the filler;
     - events are read after one synchronisation at the end, not after each repeat;
     - ``calls > 1`` amortises what is left of the per-call launch cost over back-to-back calls
       (all but the first see a warm cache); ``cuda_graph=True`` captures the ``calls`` calls in a
@@ -169,10 +176,12 @@ def benchmark(
         return Timing(times)
     run = _captured(fn, args, kwargs, calls) if cuda_graph else lambda: [fn(*args, **kwargs) for _ in range(calls)]
     filler = _l2_flush if flush_l2 else _busy_wait
+    cycles = hold_cycles(_launch_seconds(run), _sleep_cycles_per_us(torch.cuda.current_device()))
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
     torch.cuda.synchronize()
     for start, end in pairs:
         filler()
+        torch.cuda._sleep(cycles)
         start.record()
         run()
         end.record()
@@ -184,8 +193,8 @@ def benchmark(
 def _flush_buffer(device_index: int) -> torch.Tensor:
     """A buffer of twice the L2 size this GPU reports, and at least 256 MiB: zeroing it evicts the cache.
 
-    At 256 MiB the write also lasts long enough (tens of microseconds) for the host to launch the
-    timed call behind it, even when the host is slow.
+    At 256 MiB the write lasts tens of microseconds: enough for a fast launch; ``benchmark`` adds a
+    sleep kernel for slower ones.
     """
     l2 = torch.cuda.get_device_properties(device_index).L2_cache_size
     return torch.empty(max(2 * l2, 2**28) // 4, dtype=torch.int32, device=f"cuda:{device_index}")
@@ -194,6 +203,41 @@ def _flush_buffer(device_index: int) -> torch.Tensor:
 def _l2_flush() -> None:
     """Queue a write of the flush buffer on the current stream."""
     _flush_buffer(torch.cuda.current_device()).zero_()
+
+
+# The longest the GPU is held idle before a repeat: a host slower than this per repeat is not a GPU benchmark.
+MAX_HOLD_SECONDS = 0.01
+
+
+def _launch_seconds(run: Callable[[], Any]) -> float:
+    """The host's time to launch ``run()``: the median of three calls, each timed before synchronising."""
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+@functools.cache
+def _sleep_cycles_per_us(device_index: int) -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per microsecond on this GPU (it spins on the SM clock), measured once."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(200_000)  # a busy stream, and clocks ramping up, before the timed spin
+    start.record()
+    torch.cuda._sleep(2_000_000)
+    end.record()
+    end.synchronize()
+    return 2_000_000 / (start.elapsed_time(end) * 1e3)
+
+
+def hold_cycles(launch_seconds: float, cycles_per_us: float) -> int:
+    """Sleep-kernel cycles that keep a GPU busy while the host launches a repeat: 1.5x its launch time plus 20 us,
+    at most ``MAX_HOLD_SECONDS``."""
+    seconds = min(1.5 * launch_seconds + 20e-6, MAX_HOLD_SECONDS)
+    return int(seconds * 1e6 * cycles_per_us)
 
 
 def _busy_wait() -> None:

@@ -130,6 +130,28 @@ def test_cuda_timing_agrees_with_do_bench(case: str) -> None:
     assert abs(ours / theirs - 1) < 0.15, f"{case}: benchmark {ours * 1e6:.1f} us, do_bench {theirs * 1e6:.1f} us"
 
 
+def test_hold_covers_the_launch_with_margin_and_a_cap() -> None:
+    # 1,000 cycles per microsecond (a 1 GHz clock): 1.5 x the launch time plus 20 us, capped.
+    assert profiling.hold_cycles(0.0, 1000.0) == 20_000
+    assert profiling.hold_cycles(200e-6, 1000.0) == 320_000
+    assert profiling.hold_cycles(5.0, 1000.0) == int(profiling.MAX_HOLD_SECONDS * 1e9)
+
+
+@pytest.mark.gpu
+def test_cuda_timing_leaves_a_slow_hosts_launch_outside() -> None:
+    # 300 us of Python before a kernel of a few microseconds: the L2 flush alone (tens of us) would not
+    # cover it, and the interval would hold the GPU's idle wait for the host.
+    x, y = torch.randn(2**20, device="cuda"), torch.randn(2**20, device="cuda")
+
+    def slow_launch() -> torch.Tensor:
+        time.sleep(3e-4)
+        return torch.add(x, y)
+
+    fast = benchmark(lambda: torch.add(x, y), warmup=5, repeat=50).median
+    slow = benchmark(slow_launch, warmup=5, repeat=50).median
+    assert slow < 1.5 * fast + 5e-6, f"{slow * 1e6:.1f} us with 300 us of Python against {fast * 1e6:.1f} us without"
+
+
 @pytest.mark.gpu
 def test_cuda_timing_flushes_l2_unless_told_not_to() -> None:
     # 8 MiB read + 8 MiB written fits in any recent GPU's L2: without the flush, back-to-back
