@@ -143,7 +143,7 @@ def benchmark(
       interval (an event recorded on an idle stream fires at once, before ``fn``'s kernels are
       even queued). The filler alone covers a few tens of microseconds; a call whose Python takes
       longer (wrappers, autotuner lookups, tensor descriptors) would leave the GPU idle inside the
-      interval. So the host's time to launch one repeat is measured first (the median of three
+      interval. So the host's time to launch one call is measured first (from the median of three
       untimed repeats, each on an idle GPU), and a sleep kernel about 1.5 times as long (at most
       ``MAX_HOLD_SECONDS``) follows the filler;
     - events are read after one synchronisation at the end, not after each repeat;
@@ -176,7 +176,10 @@ def benchmark(
         return Timing(times)
     run = _captured(fn, args, kwargs, calls) if cuda_graph else lambda: [fn(*args, **kwargs) for _ in range(calls)]
     filler = _l2_flush if flush_l2 else _busy_wait
-    cycles = hold_cycles(_launch_seconds(run), _sleep_cycles_per_us(torch.cuda.current_device()))
+    # Cover the launch of the first call only: with calls > 1 the later ones still run at the host's pace
+    # when it is the slower (the loop's throughput as written), and a graph's replay is one launch.
+    first_launch = _launch_seconds(run) / (1 if cuda_graph else calls)
+    cycles = hold_cycles(first_launch, _sleep_cycles_per_us(torch.cuda.current_device()))
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
     torch.cuda.synchronize()
     for start, end in pairs:
@@ -210,7 +213,7 @@ MAX_HOLD_SECONDS = 0.01
 
 
 def _launch_seconds(run: Callable[[], Any]) -> float:
-    """The host's time to launch ``run()``: the median of three calls, each timed before synchronising."""
+    """The host's time to launch ``run()``: the median of three runs, each timed before synchronising."""
     times = []
     for _ in range(3):
         torch.cuda.synchronize()
@@ -234,7 +237,7 @@ def _sleep_cycles_per_us(device_index: int) -> float:
 
 
 def hold_cycles(launch_seconds: float, cycles_per_us: float) -> int:
-    """Sleep-kernel cycles that keep a GPU busy while the host launches a repeat: 1.5x its launch time plus 20 us,
+    """Sleep-kernel cycles that keep a GPU busy while the host launches a call: 1.5x its launch time plus 20 us,
     at most ``MAX_HOLD_SECONDS``."""
     seconds = min(1.5 * launch_seconds + 20e-6, MAX_HOLD_SECONDS)
     return int(seconds * 1e6 * cycles_per_us)
