@@ -15,9 +15,7 @@ import argparse
 import datetime as dt
 import json
 import platform
-import statistics
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks.report import gpu_slug
+from course_lib.profiling import host_seconds
 
 __all__ = ["RESULTS", "driver_version", "host_ms", "machine_facts", "median_ms", "record_main", "record_path",
            "run_facts"]
@@ -90,19 +89,15 @@ def host_ms(fn: Callable[[], Any], grad_to_none: list[torch.Tensor] | None = Non
     calls and the call is host-bound. ``sync`` (default ``torch.cuda.synchronize``) runs before each
     timed run and after the last, outside the timing.
     """
-    sync = sync or torch.cuda.synchronize
     fn()  # compile and autotune outside the timing
-    per_call = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
+
+    def run() -> None:
         for _ in range(calls):
             for t in grad_to_none or ():
                 t.grad = None
             fn()
-        per_call.append((time.perf_counter() - start) * 1e3 / calls)
-    sync()
-    return statistics.median(per_call)
+
+    return host_seconds(run, repeats=repeats, sync=sync) * 1e3 / calls
 
 
 def record_path(name: str, gpu: str, quick: bool) -> Path:

@@ -2,7 +2,8 @@
 
 - ``benchmark`` / ``Timing``: warm-up, repeats, median and spread; on a GPU the device's time
   (launch gap outside the interval however slow the host, L2 flushed, optionally amortised or
-  replayed as a CUDA graph); ``hold_cycles``: how long it keeps the GPU busy before each repeat.
+  replayed as a CUDA graph); ``hold_cycles``: how long it keeps the GPU busy before each repeat;
+  ``host_seconds``: what a call costs the host, measured on an idle GPU.
 - ``naive_event_timing``, ``compare_timers``: the timer not to use, and five timers side by side.
 - ``plot_timings``: medians with their spread on an axis that starts at zero.
 - ``time_calls`` and ``SimulatedDevice``: a timer with an injected clock (median and durations),
@@ -40,6 +41,7 @@ __all__ = [
     "benchmark",
     "MAX_HOLD_SECONDS",
     "hold_cycles",
+    "host_seconds",
     "naive_event_timing",
     "TIMERS",
     "compare_timers",
@@ -178,7 +180,7 @@ def benchmark(
     filler = _l2_flush if flush_l2 else _busy_wait
     # Cover the launch of the first call only: with calls > 1 the later ones still run at the host's pace
     # when it is the slower (the loop's throughput as written), and a graph's replay is one launch.
-    first_launch = _launch_seconds(run) / (1 if cuda_graph else calls)
+    first_launch = host_seconds(run) / (1 if cuda_graph else calls)
     cycles = hold_cycles(first_launch, _sleep_cycles_per_us(torch.cuda.current_device()))
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
     torch.cuda.synchronize()
@@ -212,15 +214,21 @@ def _l2_flush() -> None:
 MAX_HOLD_SECONDS = 0.01
 
 
-def _launch_seconds(run: Callable[[], Any]) -> float:
-    """The host's time to launch ``run()``: the median of three runs, each timed before synchronising."""
+def host_seconds(run: Callable[[], Any], *, repeats: int = 3, sync: Callable[[], Any] | None = None) -> float:
+    """Median seconds the host spends inside ``run()``: each run starts on an idle GPU, timed before synchronising.
+
+    Nothing waits for the GPU inside the interval, so this is what ``run`` costs the CPU (Python,
+    dispatch, autotuner lookups, launches). ``sync`` (default ``torch.cuda.synchronize``) runs
+    before each run and after the last, outside the timing.
+    """
+    sync = sync or torch.cuda.synchronize
     times = []
-    for _ in range(3):
-        torch.cuda.synchronize()
+    for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
+    sync()
     return statistics.median(times)
 
 

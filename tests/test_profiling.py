@@ -137,6 +137,24 @@ def test_hold_covers_the_launch_with_margin_and_a_cap() -> None:
     assert profiling.hold_cycles(5.0, 1000.0) == int(profiling.MAX_HOLD_SECONDS * 1e9)
 
 
+def test_host_seconds_times_the_run_and_not_the_waits() -> None:
+    import time
+
+    log = []
+
+    def run() -> None:
+        log.append("run")
+        time.sleep(0.002)
+
+    def slow_sync() -> None:
+        log.append("sync")
+        time.sleep(0.03)  # a GPU still busy: not the host's time
+
+    seconds = profiling.host_seconds(run, repeats=3, sync=slow_sync)
+    assert 0.002 <= seconds < 0.02, f"{seconds * 1e3:.1f} ms: the syncs (30 ms each) leaked into the timing"
+    assert log == ["sync", "run"] * 3 + ["sync"], log
+
+
 @pytest.mark.gpu
 def test_cuda_timing_leaves_a_slow_hosts_launch_outside() -> None:
     # 300 us of Python before a kernel of a few microseconds: the L2 flush alone (tens of us) would not
