@@ -123,6 +123,26 @@ def _normal_cdf(z, FAST: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(ptrs, mask, EVEN: tl.constexpr):
+    """Load a tile as fp32: whole (EVEN, no mask to compute) or masked with zeros outside."""
+    if EVEN:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store_tile(ptrs, value, mask, EVEN: tl.constexpr):
+    """Store a tile in the pointer's dtype: whole (EVEN) or masked."""
+    value = value.to(ptrs.dtype.element_ty)
+    if EVEN:
+        tl.store(ptrs, value)
+    else:
+        tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
 def _bias_gelu_fwd_kernel(x_ptr, b_ptr, y_ptr, n_rows, n_cols,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr, EVEN: tl.constexpr):
     # A (BLOCK_M, BLOCK_N) tile per program: the bias block is loaded once and reused for
@@ -133,19 +153,11 @@ def _bias_gelu_fwd_kernel(x_ptr, b_ptr, y_ptr, n_rows, n_cols,
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     base = row0.to(tl.int64) * n_cols
     offs = tl.arange(0, BLOCK_M)[:, None] * n_cols + cols[None, :]
-    if EVEN:
-        b = tl.load(b_ptr + cols).to(tl.float32)
-        z = tl.load(x_ptr + base + offs).to(tl.float32) + b[None, :]
-    else:
-        mask = (row0 + tl.arange(0, BLOCK_M)[:, None] < n_rows) & (cols[None, :] < n_cols)
-        b = tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        z = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32) + b[None, :]
+    mask = (row0 + tl.arange(0, BLOCK_M)[:, None] < n_rows) & (cols[None, :] < n_cols)  # unused when EVEN
+    b = _load_tile(b_ptr + cols, cols < n_cols, EVEN)
+    z = _load_tile(x_ptr + base + offs, mask, EVEN) + b[None, :]
     cdf, _ = _normal_cdf(z, FAST)
-    y = (z * cdf).to(y_ptr.dtype.element_ty)
-    if EVEN:
-        tl.store(y_ptr + base + offs, y)
-    else:
-        tl.store(y_ptr + base + offs, y, mask=mask)
+    _store_tile(y_ptr + base + offs, z * cdf, mask, EVEN)
 
 
 @triton.jit
@@ -164,19 +176,12 @@ def _bias_gelu_bwd_kernel(dy_ptr, x_ptr, b_ptr, dx_ptr, dbias_part_ptr, n_rows, 
     offs = tl.arange(0, BLOCK_M)[:, None] * n_cols + cols[None, :]
     for r in range(0, ROWS, BLOCK_M):
         base = (row0 + r).to(tl.int64) * n_cols
-        if EVEN:
-            z = tl.load(x_ptr + base + offs).to(tl.float32) + b[None, :]
-            dy = tl.load(dy_ptr + base + offs).to(tl.float32)
-        else:
-            mask = (row0 + r + tl.arange(0, BLOCK_M)[:, None] < n_rows) & col_ok[None, :]
-            z = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32) + b[None, :]
-            dy = tl.load(dy_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        mask = (row0 + r + tl.arange(0, BLOCK_M)[:, None] < n_rows) & col_ok[None, :]  # unused when EVEN
+        z = _load_tile(x_ptr + base + offs, mask, EVEN) + b[None, :]
+        dy = _load_tile(dy_ptr + base + offs, mask, EVEN)
         cdf, e = _normal_cdf(z, FAST)
         dx = dy * (cdf + z * e * 0.3989422804014327)  # d/dz [z Phi(z)] = Phi(z) + z phi(z), phi = e / sqrt(2 pi)
-        if EVEN:
-            tl.store(dx_ptr + base + offs, dx.to(dx_ptr.dtype.element_ty))
-        else:
-            tl.store(dx_ptr + base + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        _store_tile(dx_ptr + base + offs, dx, mask, EVEN)
         acc += tl.sum(dx, axis=0)  # masked lanes hold dy = 0, hence dx = 0
     tl.store(dbias_part_ptr + tl.program_id(0).to(tl.int64) * n_cols + cols, acc, mask=col_ok)
 
