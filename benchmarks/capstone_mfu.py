@@ -75,8 +75,13 @@ def _row(label: str, run: capstone.RunConfig, device: torch.device, peak: tuple[
             "final_loss": result.losses[-1], "profile": profile_categories(step, device, PROFILED_STEPS)}
 
 
-def measure(device: torch.device, quick: bool, steps: int = 20) -> dict[str, Any]:
-    """Every row of ``CHANGES`` on ``device`` (GPT-2 small, or with ``quick`` the tiny GPT), with the run's facts."""
+def measure(device: torch.device, quick: bool, steps: int = 20,
+            on_row: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+    """Every row of ``ROWS`` on ``device`` (GPT-2 small, or with ``quick`` the tiny GPT), with the run's facts.
+
+    ``on_row`` receives the record so far after each row (``complete`` false until the last), so that a
+    run cut short still leaves the rows it measured.
+    """
     run = capstone.RunConfig.for_this_machine(steps=min(steps, 3) if quick else steps)
     if quick:
         run = replace(run, preset="tiny", batch_size=4, warmup=1)
@@ -95,15 +100,19 @@ def measure(device: torch.device, quick: bool, steps: int = 20) -> dict[str, Any
     matmul = matmul_peak(device, [(8192, 8192, 8192), (tokens, cfg.d_ff, cfg.d_model)] if device.type == "cuda"
                          else [(256, 256, 256)], ms)
     peak = device_peak_flops(device)
-    rows = []
+    command = "python -m benchmarks.capstone_mfu" + (" --quick" if quick else "")
+    record = {**run_facts(command), "peak_flops": peak[0], "peak_source": peak[1], "matmul_peak": matmul,
+              "complete": False, "rows": []}
     for label, fields in ROWS:
         changed = replace(run, **{**fields, "batch_size": run.batch_size * fields.get("batch_size", 1)})
-        rows.append(_row(label, changed, device, peak, matmul["flops"]))
-        print(f"{label:52} {rows[-1]['tokens_per_s']:12,.0f} tokens/s  MFU {rows[-1]['mfu']:.1%} "
-              f"(vs measured matmul {rows[-1]['mfu_vs_matmul']:.1%})", flush=True)
-    command = "python -m benchmarks.capstone_mfu" + (" --quick" if quick else "")
-    return {**run_facts(command), "peak_flops": peak[0], "peak_source": peak[1], "matmul_peak": matmul,
-            "rows": rows}
+        row = _row(label, changed, device, peak, matmul["flops"])
+        record["rows"].append(row)
+        record["complete"] = len(record["rows"]) == len(ROWS)
+        print(f"{label:52} {row['tokens_per_s']:12,.0f} tokens/s  MFU {row['mfu']:.1%} "
+              f"(vs measured matmul {row['mfu_vs_matmul']:.1%})", flush=True)
+        if on_row is not None:
+            on_row(record)
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,10 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not args.quick:
         parser.error("needs a CUDA GPU (a CPU run is a smoke run: add --quick)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    record = measure(device, args.quick, args.steps)
-    slug = gpu_slug(record["gpu"]) if device.type == "cuda" else "cpu"
+    slug = gpu_slug(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
     out = args.out or RESULTS / f"capstone_mfu_{slug}{'-quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
+
+    def write(record: dict[str, Any]) -> None:
+        out.write_text(json.dumps(record, indent=1) + "\n")
+
+    measure(device, args.quick, args.steps, on_row=write)  # rewritten after every row
     print(f"wrote {out}")
     return 0
 

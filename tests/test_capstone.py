@@ -102,6 +102,32 @@ def test_mfu_benchmark_profiles_a_step_and_the_matmul_peak():
     assert peak["flops"] == peak["by_shape"]["64x32x16"] and peak["dtype"] == "float32"
 
 
+def test_mfu_record_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
+    # The GPU run takes minutes a row; a timeout or a failing row must not lose the rows measured before it.
+    from benchmarks import capstone_mfu as bench
+
+    def fake_row(label, run, *_):
+        if failing and label == bench.ROWS[2][0]:
+            raise RuntimeError("the third row fails")
+        return {"label": label, "batch_size": run.batch_size, "tokens_per_s": 1.0, "mfu": 0.1, "mfu_vs_matmul": 0.2}
+
+    failing = True
+    monkeypatch.setattr(bench, "_row", fake_row)
+    out = tmp_path / "mfu.json"
+    with pytest.raises(RuntimeError, match="third row"):
+        bench.main(["--quick", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert [row["label"] for row in record["rows"]] == [label for label, _ in bench.ROWS[:2]]
+    assert record["complete"] is False and record["command"].endswith("--quick")
+
+    failing = False
+    bench.main(["--quick", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["complete"] is True and len(record["rows"]) == len(bench.ROWS)
+    base = record["rows"][0]["batch_size"]
+    assert [row["batch_size"] for row in record["rows"]] == [base * f.get("batch_size", 1) for _, f in bench.ROWS]
+
+
 def test_checkpointed_run_same_losses():
     run = capstone.RunConfig("tiny", steps=2, batch_size=2, seq_len=16, compile=False, bf16=False, warmup=1)
     a = capstone.train(run, progress=False, peak=(1e12, "test"))
