@@ -360,14 +360,7 @@ def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     n = q.shape[-2]
     mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, n, n, device=str(q.device)) if causal else None
     compiled = torch.compile(flex_attention)
-
-    def call() -> torch.Tensor:
-        # Compiled without donated buffers: the backward timing calls backward(retain_graph=True) on one graph
-        # again and again, which a backward that may overwrite its saved buffers refuses.
-        with torch._functorch.config.patch(donated_buffer=False):
-            return compiled(q, k, v, block_mask=mask)
-
-    return call
+    return lambda: compiled(q, k, v, block_mask=mask)
 
 
 ATTENTION_TARGETS = {"fwd": 0.9, "bwd": 0.85}
@@ -425,12 +418,16 @@ def _attention_pair(shape: AttentionShape, causal: bool, sizes: Sizes) -> tuple[
         # Ours: the Hopper forward where it applies (else it runs the teaching kernels), the teaching backward.
         _ours(result, rate(course("flash_attention_hopper", "flash_attention_tma"), part))
         _extra(result, "course_lib teaching kernels", rate(course("flash_attention", "flash_attention"), part))
-    for result, part in ((fwd, "fwd"), (bwd, "bwd")):
-        _fastest_reference(result, {
-            "SDPA flash (FA2)": rate(lambda: sdpa, part, "FLASH_ATTENTION"),
-            "SDPA cuDNN": rate(lambda: sdpa, part, "CUDNN_ATTENTION"),
-            "FlexAttention (torch.compile)": rate(lambda: _flex_attention(q, k, v, causal), part),
-        })
+    # Without donated buffers, at compile time and when the backward runs (AOTAutograd reads the flag at both):
+    # the backward timing calls backward(retain_graph=True) on one graph again and again, which a compiled
+    # backward that may overwrite its saved buffers refuses.
+    with torch._functorch.config.patch(donated_buffer=False):
+        for result, part in ((fwd, "fwd"), (bwd, "bwd")):
+            _fastest_reference(result, {
+                "SDPA flash (FA2)": rate(lambda: sdpa, part, "FLASH_ATTENTION"),
+                "SDPA cuDNN": rate(lambda: sdpa, part, "CUDNN_ATTENTION"),
+                "FlexAttention (torch.compile)": rate(lambda: _flex_attention(q, k, v, causal), part),
+            })
     torch.compiler.reset()
     return fwd, bwd
 
