@@ -24,7 +24,7 @@ RATIO_CONVENTION = (
 # Device names as torch.cuda.get_device_name() reports them; any other name is slugged by `gpu_slug`.
 KNOWN_SLUGS = {
     "NVIDIA H200": "h200",
-    "NVIDIA H100 80GB HBM3": "h100-sxm",
+    "NVIDIA H100 80GB HBM3": "h100",  # the SXM card; the PCIe one slugs to h100-pcie
     "NVIDIA A100-SXM4-80GB": "a100-sxm-80gb",
 }
 

@@ -46,7 +46,7 @@ def _adam(ours: float, reference: float = 2.0) -> Result:
     "name, slug",
     [
         ("NVIDIA H200", "h200"),
-        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 80GB HBM3", "h100"),
         ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"),
         ("Tesla V100-SXM2-16GB", "tesla-v100-sxm2-16gb"),
         ("  ", "gpu"),
