@@ -25,7 +25,8 @@ the same batches, and what separates them:
                full logits tensor; compiled up to the final LayerNorm, its Triton kernels run as they are),
                optional (``course_adam``) chapter 08's flat fused Adam instead of torch's fused AdamW,
                optional (``bf16_weights``) a bf16 model with fp32 master weights (chapter 06) instead of autocast,
-               optional (``fused_mlp``) the MLP's GELU inside its matmuls' epilogues (``kernels.fused_mlp``)
+               optional (``fused_mlp``) the MLP's GELU inside its matmuls' epilogues (``kernels.fused_mlp``),
+               optional (``cuda_graphs``) the compiled part replayed from CUDA graphs
 
     from course_lib import capstone
     result = capstone.compare(capstone.RunConfig.for_this_machine(steps=20))
@@ -94,6 +95,7 @@ class RunConfig:
     course_adam: bool = False  # chapter 08's FlatAdam (one kernel per step) instead of torch's AdamW
     bf16_weights: bool = False  # a bf16 model (weights and activations) with fp32 master weights; needs fused_loss
     fused_mlp: bool = False  # the MLP's GELU in the epilogues of its matmuls (kernels.fused_mlp); needs bias
+    cuda_graphs: bool = False  # the compiled part replayed from CUDA graphs (torch.compile's "reduce-overhead" mode)
     seed: int = 0
 
     @classmethod
@@ -107,7 +109,7 @@ class RunConfig:
     def baseline(self) -> RunConfig:
         """The same run with every technique off: fp32, eager, default AdamW, no checkpointing, unfused loss."""
         return replace(self, bf16=False, compile=False, fused_adam=False, checkpointing=False, fused_loss=False,
-                       course_adam=False, bf16_weights=False, fused_mlp=False)
+                       course_adam=False, bf16_weights=False, fused_mlp=False, cuda_graphs=False)
 
     def model_config(self) -> models.GPTConfig:
         """The preset's GPT configuration, with ``seq_len`` if one is given."""
@@ -150,7 +152,8 @@ def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[C
     """``run``'s GPT, optimizer and fixed synthetic batch, built once: (step, model, facts); ``step()`` trains one step.
 
     ``facts`` says which kernels the step uses where the configuration leaves a choice
-    (``fused_adam``: torch's fused AdamW ran; ``course_adam``; ``fused_loss``; ``bf16_weights``; ``fused_mlp``).
+    (``fused_adam``: torch's fused AdamW ran; ``course_adam``; ``fused_loss``; ``bf16_weights``; ``fused_mlp``;
+    ``cuda_graphs``: the compiled part was recorded into CUDA graphs, which happens on a GPU only).
     """
     device = device or env.DEVICE
     cfg = run.model_config()
@@ -159,6 +162,8 @@ def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[C
         checkpoint_blocks(model)
     if run.bf16_weights and not (run.bf16 and run.fused_loss):
         raise ValueError("bf16_weights needs bf16 and fused_loss (whose loss is computed in fp32)")
+    if run.cuda_graphs and not run.compile:
+        raise ValueError("cuda_graphs needs compile: torch.compile's reduce-overhead mode records the graphs")
     # With bf16_weights (chapter 06's MasterWeights) the model itself is bf16, so are its activations,
     # the residual stream included; the optimizer updates fp32 master copies.
     master = MasterWeights(model, torch.bfloat16) if run.bf16_weights else None
@@ -180,16 +185,19 @@ def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[C
         opt = FlatAdam(params, lr=run.lr, weight_decay=0.01, decoupled=True)
     else:
         opt = torch.optim.AdamW(params, lr=run.lr, fused=fused or None)
+    compile_ = functools.partial(torch.compile, mode="reduce-overhead") if run.cuda_graphs else torch.compile
     if run.fused_loss:  # compiled up to the final LayerNorm; the chunked LM head and loss run their kernels as they are
         final_hidden = functools.partial(_final_hidden, model)
-        step_hidden = torch.compile(final_hidden) if run.compile else final_hidden
+        step_hidden = compile_(final_hidden) if run.compile else final_hidden
     else:
-        step_model = torch.compile(model) if run.compile else model
+        step_model = compile_(model) if run.compile else model
     x, y = models.repeating_batch(cfg, run.batch_size, period=16, device=device, seed=run.seed)
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if run.bf16 and master is None else contextlib.nullcontext()
     lowp: list[torch.Tensor] = list(model.parameters())
 
     def step() -> torch.Tensor:
+        if run.cuda_graphs:  # a new iteration: the graphs may reuse the memory of the last step's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         (model if master is not None else opt).zero_grad(set_to_none=True)
         with amp:
             if run.fused_loss:
@@ -204,10 +212,12 @@ def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[C
         if master is not None:
             with torch.no_grad():
                 torch._foreach_copy_(lowp, params)
-        return loss.detach()
+        # A graph's output lives in memory the next replay overwrites: the loss the caller keeps is a copy.
+        return loss.detach().clone() if run.cuda_graphs else loss.detach()
 
     facts = {"fused_adam": fused, "course_adam": run.course_adam, "fused_loss": run.fused_loss,
-             "bf16_weights": run.bf16_weights, "fused_mlp": run.fused_mlp}
+             "bf16_weights": run.bf16_weights, "fused_mlp": run.fused_mlp,
+             "cuda_graphs": run.cuda_graphs and device.type == "cuda"}
     return step, model, facts
 
 

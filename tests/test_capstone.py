@@ -72,6 +72,40 @@ def test_fused_mlp_trains_like_the_unfused_mlp():
     assert capstone.RunConfig(fused_mlp=True).baseline().fused_mlp is False
 
 
+def test_cuda_graphs_compile_in_reduce_overhead_mode(monkeypatch):
+    # The compiled part goes through torch.compile(mode="reduce-overhead"); on a CPU no graph is recorded,
+    # and the run must train exactly as the same run compiled without it. Needs compile.
+    modes = []
+
+    def fake_compile(fn, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    run = capstone.RunConfig("tiny", steps=3, batch_size=2, seq_len=16, bf16=False, warmup=1, lr=3e-3)
+    plain = capstone.train(run, progress=False, peak=(1e12, "test"))
+    graphed = capstone.train(dataclasses.replace(run, cuda_graphs=True), progress=False, peak=(1e12, "test"))
+    assert modes == [None, "reduce-overhead"]
+    assert graphed.losses == plain.losses and graphed.extra["cuda_graphs"] is False  # no graphs on a CPU
+    with pytest.raises(ValueError, match="cuda_graphs needs compile"):
+        capstone.training_step(dataclasses.replace(run, compile=False, cuda_graphs=True))
+    assert capstone.RunConfig(cuda_graphs=True).baseline().cuda_graphs is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused_loss", [False, True])
+def test_cuda_graphs_train_like_the_compiled_run_gpu(fused_loss):
+    # Replayed graphs compute what the compiled kernels compute; every step's loss is kept, so a loss
+    # that lived in a graph's output memory (the unfused path) would show the next step's value.
+    run = capstone.RunConfig("tiny", steps=4, batch_size=4, warmup=2, lr=3e-3, fused_loss=fused_loss,
+                             bf16_weights=fused_loss)
+    plain = capstone.train(run, progress=False)
+    graphed = capstone.train(dataclasses.replace(run, cuda_graphs=True), progress=False)
+    assert graphed.extra["cuda_graphs"] is True
+    assert graphed.losses == pytest.approx(plain.losses, rel=1e-2)
+    assert len(set(graphed.losses)) == len(graphed.losses)  # each step's own loss, not one buffer's last value
+
+
 def test_bf16_weights_train_like_autocast():
     # A bf16 model with fp32 master weights (chapter 06) against autocast over fp32 weights: the same
     # run within bf16 rounding, and the master copies are what the optimizer updates.
