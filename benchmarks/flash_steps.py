@@ -17,7 +17,10 @@ halved when causal) by the median of ``triton.testing.do_bench``, in four groups
   gaps between them are the time the softmax adds to the tensor-core work; cuBLAS's bf16 rate at
   8192^3 in the same run is the device's matmul ceiling;
 - ``backward``: the teaching backward (three kernels) against both SDPA backends, TFLOP/s counted
-  as 2.5 forwards.
+  as 2.5 forwards; then the Hopper backward (``flash_attention_backward_tma``) called directly,
+  the dK/dV programs and the dQ programs launched in turn, then in one launch at each of its
+  configurations, then autotuned, and autotuned through autograd (``flash_attention_tma(...,
+  tma_backward=True)``) as training calls it.
 
 Every row that computes attention is checked against the FA2 backend's output (or gradients)
 before it is timed; a row that fails to compile or to match is recorded with its error.
@@ -190,6 +193,35 @@ def _backward_case(attend: Callable[..., torch.Tensor], leaves: list[torch.Tenso
     return build
 
 
+def _hopper_backward_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool,
+                          want: tuple[torch.Tensor, ...], **options: Any) -> Case:
+    """The Hopper backward called directly (no autograd) with ``options``, after one TMA forward."""
+    def build() -> tuple[Callable[[], Any], Callable[[], None]]:
+        out, lse = fh.flash_attention_forward_tma(q, k, v, causal)
+
+        def call() -> tuple[torch.Tensor, ...]:
+            return fh.flash_attention_backward_tma(q, k, v, out, lse, dout, causal, **options)
+
+        def check() -> None:
+            for got, expect in zip(call(), want):
+                _close(got, expect)
+        return call, check
+    return build
+
+
+def _hopper_backward_rows() -> list[tuple[str, dict[str, Any]]]:
+    """(label, options of flash_attention_backward_tma) in the order the chapter shows them."""
+    first = fh.TMA_BACKWARD_CONFIGS[0]
+    return ([(f"Hopper, {_tile(first)}, 2 launches", {"config": first, "one_launch": False})]
+            + [(f"Hopper, {_tile(c)}", {"config": c}) for c in fh.TMA_BACKWARD_CONFIGS]
+            + [("Hopper, autotuned", {})])
+
+
+def _tile(config: tuple[int, int, int, int]) -> str:
+    big, small, warps, stages = config
+    return f"{big}x{small}, {warps} warps, {stages} stages"
+
+
 def _row(group: str, label: str, causal: bool, flops: float, case: Case, ms: Ms) -> dict[str, Any]:
     """One row: the case checked, then timed; any failure (compile, mismatch) becomes the row's error."""
     entry: dict[str, Any] = {"group": group, "label": label, "causal": causal, "error": None}
@@ -227,6 +259,12 @@ def steps(config: dict[str, Any], ms: Ms, device: str = "cuda", dtype: torch.dty
                               ("course_lib, three kernels", fa.flash_attention)):
             rows.append(_row("backward", label, causal, 2.5 * flops,
                              _backward_case(attend, leaves, dout, causal, want_grads), ms))
+        for label, options in _hopper_backward_rows():
+            rows.append(_row("backward", label, causal, 2.5 * flops,
+                             _hopper_backward_case(q, k, v, dout, causal, want_grads, **options), ms))
+        rows.append(_row("backward", "Hopper, autotuned, through autograd", causal, 2.5 * flops,
+                         _backward_case(partial(fh.flash_attention_tma, tma_backward=True), leaves, dout, causal,
+                                        want_grads), ms))
     gemm = torch.randn(8192, 8192, device=device, dtype=dtype) if device == "cuda" else torch.randn(64, 64)
     matmul_tflops = 2.0 * gemm.shape[0] ** 3 / ms(lambda: gemm @ gemm) / 1e9
     return {"batch": b, "heads": h, "seq": n, "head_dim": d, "dtype": str(dtype).removeprefix("torch."),

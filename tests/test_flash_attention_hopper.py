@@ -1,8 +1,9 @@
 """Chapter 10's Hopper forward: the TMA kernel against SDPA, which path runs where, and the fallback.
 
 CPU tier: the TMA kernel under Triton's interpreter (tensor descriptors work there) in fp32 on tiny
-shapes, forward, logsumexp and the gradients through the teaching backward; the rule that picks
-the TMA path and the fallback for sequences that are not a multiple of the block.
+shapes, forward, logsumexp and the gradients through the teaching backward and through the Hopper
+backward; the rule that picks the TMA path and the fallback for sequences that are not a multiple
+of the block.
 GPU tier (marked gpu): compiled and autotuned in bf16/fp16 against SDPA on sm90+; the fallback for
 ragged sequences, fp32 and older GPUs.
 """
@@ -237,6 +238,88 @@ def test_fixed_configs_gpu(config, switches, causal):
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     torch.testing.assert_close(out.float(), ref, rtol=4e-2, atol=4e-2)
     torch.testing.assert_close(lse, att.attention_lse(q.float(), k.float(), causal), rtol=1e-2, atol=1e-2)
+
+
+def _hopper_backward_against_sdpa(shape, dtype, causal, device, tol, scale=None, **options):
+    """dQ, dK, dV of flash_attention_backward_tma (after the TMA forward) against fp32 SDPA's."""
+    q, k, v = _qkv(shape, dtype, device)
+    dout = torch.randn(shape, dtype=dtype, device=device, generator=torch.Generator(device=device).manual_seed(9))
+    out, lse = fh.flash_attention_forward_tma(q, k, v, causal, scale)
+    got = fh.flash_attention_backward_tma(q, k, v, out, lse, dout, causal, scale, **options)
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    ref = torch.autograd.grad(F.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale), leaves,
+                              dout.float())
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+        assert g.dtype == dtype and g.shape == r.shape, name
+        torch.testing.assert_close(g.float(), r, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2, 64, 16), (2, 3, 48, 32)])
+def test_hopper_backward_interpreter(shape, causal, one_launch):
+    # Three heads and three blocks a head: each program must find its own head's rows and its own block.
+    _hopper_backward_against_sdpa(shape, torch.float32, causal, "cpu", 2e-4, one_launch=one_launch)
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+def test_hopper_backward_wide_blocks_scale_and_checks_interpreter():
+    # BIG = 2 x SMALL: the diagonal block of a key block spans two query blocks, each partly masked.
+    _hopper_backward_against_sdpa((1, 2, 64, 16), torch.float32, True, "cpu", 2e-4, scale=0.3, config=(32, 16, 1, 1))
+    q, k, v = _qkv((1, 2, 64, 16))
+    out, lse = fh.flash_attention_forward_tma(q, k, v)
+    with pytest.raises(ValueError, match="BIG must divide"):
+        fh.flash_attention_backward_tma(q, k, v, out, lse, out, config=(48, 16, 1, 1))
+    with pytest.raises(ValueError, match="multiple of SMALL"):
+        fh.flash_attention_backward_tma(q, k, v, out, lse, out, config=(16, 32, 1, 1))
+    with pytest.raises(ValueError, match="lse must be float32"):
+        fh.flash_attention_backward_tma(q, k, v, out, lse[:, :1], out)
+    with pytest.raises(ValueError, match="TMA backward needs"):
+        r = _qkv((1, 2, 40, 16))
+        fh.flash_attention_backward_tma(*r, r[0], torch.zeros(1, 2, 40), r[0])
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+def test_tma_backward_switch_picks_the_backward(monkeypatch):
+    # flash_attention_tma: the teaching backward by default, the Hopper one with tma_backward=True;
+    # a stride-0 dO (the gradient of out.sum()) goes through either.
+    q, k, v = (t.requires_grad_(True) for t in _qkv((1, 2, 32, 16)))
+    want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(), (q, k, v))
+    real = fh.flash_attention_backward_tma
+    monkeypatch.setattr(fh, "flash_attention_backward_tma", lambda *a, **kw: pytest.fail("Hopper backward called"))
+    for g, w in zip(torch.autograd.grad(fh.flash_attention_tma(q, k, v, True).sum(), (q, k, v)), want):
+        torch.testing.assert_close(g, w, rtol=2e-4, atol=2e-4)
+    monkeypatch.setattr(fh, "flash_attention_backward_tma", real)
+    _forbid(monkeypatch, "flash_attention_backward")
+    for g, w in zip(torch.autograd.grad(fh.flash_attention_tma(q, k, v, True, tma_backward=True).sum(), (q, k, v)),
+                    want):
+        torch.testing.assert_close(g, w, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, n, d", [(torch.bfloat16, 1024, 128), (torch.bfloat16, 4096, 128),
+                                         (torch.float16, 2048, 64), (torch.bfloat16, 256, 32)])
+def test_hopper_backward_gpu(dtype, n, d, causal, one_launch):
+    if not _hopper():
+        pytest.skip("TMA needs sm90+: this GPU runs the teaching backward, tested in test_flash_attention.py")
+    shape = (2, 3, n, d) if n < 4096 else (1, 2, n, d)
+    _hopper_backward_against_sdpa(shape, dtype, causal, "cuda", 4e-2 if dtype == torch.bfloat16 else 2e-2,
+                                  one_launch=one_launch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", fh.TMA_BACKWARD_CONFIGS)
+def test_hopper_backward_configs_gpu(config, causal):
+    # Each configuration the autotuner may pick, and the one the benchmark launches in two halves.
+    if not _hopper():
+        pytest.skip("TMA needs sm90+")
+    _hopper_backward_against_sdpa((2, 4, 1024, 128), torch.bfloat16, causal, "cuda", 4e-2, config=config)
+    _hopper_backward_against_sdpa((2, 4, 1024, 128), torch.bfloat16, causal, "cuda", 4e-2, config=config,
+                                  one_launch=False)
 
 
 @pytest.mark.gpu

@@ -34,8 +34,13 @@ blog post that reverse-engineered it), each measured as a step of ``benchmarks.f
    against the FMA pipes' 128 (the CUDA C++ Programming Guide's throughput table, compute
    capability 9.0): 1, the odd columns of every tile; 2, every other key block.
 
-The backward is the teaching module's three kernels (``flash_attention.flash_attention_backward``);
-it needs only O and the logsumexp, which this forward writes in the same layout.
+The backward by default is the teaching module's three kernels (``flash_attention.flash_attention_backward``);
+it needs only O and the logsumexp, which this forward writes in the same layout. A Hopper backward
+(``flash_attention_backward_tma``) is there to be measured against it: the same products, its tiles
+fed by TMA, and the dK/dV programs and the dQ programs in one launch (the first ``N / BIG`` programs
+of a head take a key block each, the rest a query block each), so the two kinds of work share the
+GPU instead of running one after the other; ``one_launch=False`` launches them in turn, to separate
+the two changes. ``flash_attention_tma(..., tma_backward=True)`` uses it.
 
     from course_lib.kernels.flash_attention_hopper import flash_attention_tma, tma_applies
     out = flash_attention_tma(q, k, v, causal=True)   # the TMA forward where it applies, else the teaching one
@@ -67,6 +72,9 @@ __all__ = [
     "tma_forward_kernel",
     "tma_applies",
     "flash_attention_forward_tma",
+    "TMA_BACKWARD_CONFIGS",
+    "tma_backward_kernel",
+    "flash_attention_backward_tma",
     "FlashAttentionTMA",
     "flash_attention_tma",
 ]
@@ -260,30 +268,191 @@ def flash_attention_forward_tma(
     return out.view(b, h, n, d).to(q.dtype), lse
 
 
+# (BIG, SMALL, num_warps, num_stages), 16-bit inputs: a dK/dV program keeps BIG keys and streams SMALL query rows past
+# them, a dQ program the mirror image. The first is FlexAttention's default on sm90 at head_dim <= 128 (torch 2.11).
+TMA_BACKWARD_CONFIGS: list[tuple[int, int, int, int]] = [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)]
+
+
+@triton.jit
+def _tma_dkdv_blocks(dk, dv, k, v, desc_q, desc_do, LSE, DELTA, row0, offs_n, lo, hi, qk_scale,
+                     BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+    """Fold query blocks [lo, hi) into one key block's (dK, dV), on the transposed (keys x queries) tile."""
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q = desc_q.load([row0 + start_m, 0])
+        do = desc_do.load([row0 + start_m, 0])
+        lse = tl.load(LSE + row0 + rows) * _LOG2E
+        delta = tl.load(DELTA + row0 + rows)
+        pT = tl.math.exp2(tl.dot(k, q.T) * qk_scale - lse[None, :])
+        if MASKED:
+            pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv)
+        dsT = pT * (tl.dot(v, do.T) - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _tma_dq_blocks(dq, q, do, lse, delta, desc_k, desc_v, row0, offs_m, lo, hi, qk_scale,
+                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Fold key blocks [lo, hi) into one query block's dQ."""
+    for start_n in range(lo, hi, BLOCK_N):
+        k = desc_k.load([row0 + start_n, 0])
+        v = desc_v.load([row0 + start_n, 0])
+        p = tl.math.exp2(tl.dot(q, k.T) * qk_scale - lse[:, None])
+        if MASKED:
+            p = tl.where(offs_m[:, None] >= (start_n + tl.arange(0, BLOCK_N))[None, :], p, 0.0)
+        ds = p * (tl.dot(do, v.T) - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def tma_backward_kernel(desc_q_small, desc_do_small, desc_k_big, desc_v_big, desc_q_big, desc_do_big,
+                        desc_k_small, desc_v_small, desc_dq, desc_dk, desc_dv, LSE, DELTA, qk_scale, sm_scale, N,
+                        programs, HEAD_DIM: tl.constexpr, BIG: tl.constexpr, SMALL: tl.constexpr,
+                        CAUSAL: tl.constexpr):
+    """Program p of a head: p < N / BIG, dK and dV of key block p; else dQ of a query block.
+
+    ``programs`` says which kinds the grid holds: 0 both (2 N / BIG programs a head), 1 the dK/dV ones,
+    2 the dQ ones (N / BIG each).
+    Descriptors view (B*H*N, D) matrices; ``_big`` ones move BIG rows, ``_small`` ones SMALL. LSE (natural log)
+    and DELTA = rowsum(dO * O) are fp32, one per row. Causal: the most work first in each kind.
+    """
+    blocks = N // BIG
+    pid = tl.program_id(0)
+    if programs == 2:
+        pid += blocks
+    row0 = tl.program_id(1) * N
+    if pid < blocks:
+        start_n = pid * BIG  # key block 0 sees every query: the longest dK/dV program starts first
+        offs_n = start_n + tl.arange(0, BIG)
+        k = desc_k_big.load([row0 + start_n, 0])
+        v = desc_v_big.load([row0 + start_n, 0])
+        dk = tl.zeros([BIG, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BIG, HEAD_DIM], dtype=tl.float32)
+        if CAUSAL:  # queries above the block never see it; only those crossing the diagonal need the mask
+            dk, dv = _tma_dkdv_blocks(dk, dv, k, v, desc_q_small, desc_do_small, LSE, DELTA, row0, offs_n,
+                                      start_n, start_n + BIG, qk_scale, SMALL, True)
+            dk, dv = _tma_dkdv_blocks(dk, dv, k, v, desc_q_small, desc_do_small, LSE, DELTA, row0, offs_n,
+                                      start_n + BIG, N, qk_scale, SMALL, False)
+        else:
+            dk, dv = _tma_dkdv_blocks(dk, dv, k, v, desc_q_small, desc_do_small, LSE, DELTA, row0, offs_n,
+                                      0, N, qk_scale, SMALL, False)
+        desc_dk.store([row0 + start_n, 0], (dk * sm_scale).to(k.dtype))  # S = scale Q K^T: dK takes it once
+        desc_dv.store([row0 + start_n, 0], dv.to(v.dtype))
+    else:
+        start_m = (2 * blocks - 1 - pid) * BIG  # the last query block sees every key: it starts first
+        offs_m = start_m + tl.arange(0, BIG)
+        q = desc_q_big.load([row0 + start_m, 0])
+        do = desc_do_big.load([row0 + start_m, 0])
+        lse = tl.load(LSE + row0 + offs_m) * _LOG2E
+        delta = tl.load(DELTA + row0 + offs_m)
+        dq = tl.zeros([BIG, HEAD_DIM], dtype=tl.float32)
+        if CAUSAL:
+            dq = _tma_dq_blocks(dq, q, do, lse, delta, desc_k_small, desc_v_small, row0, offs_m, 0, start_m,
+                                qk_scale, SMALL, False)
+            dq = _tma_dq_blocks(dq, q, do, lse, delta, desc_k_small, desc_v_small, row0, offs_m, start_m,
+                                start_m + BIG, qk_scale, SMALL, True)
+        else:
+            dq = _tma_dq_blocks(dq, q, do, lse, delta, desc_k_small, desc_v_small, row0, offs_m, 0, N,
+                                qk_scale, SMALL, False)
+        desc_dq.store([row0 + start_m, 0], (dq * sm_scale).to(q.dtype))
+
+
+_BWD_DESCRIPTORS = ("desc_q_small", "desc_do_small", "desc_k_big", "desc_v_big", "desc_q_big", "desc_do_big",
+                    "desc_k_small", "desc_v_small", "desc_dq", "desc_dk", "desc_dv")
+
+
+def _set_backward_block_shapes(nargs: dict[str, Any]) -> None:
+    """Autotuner pre-hook: each descriptor moves BIG or SMALL rows, as the config being tried says."""
+    for desc in _BWD_DESCRIPTORS:
+        nargs[desc].block_shape = [nargs["SMALL" if desc.endswith("_small") else "BIG"], nargs["HEAD_DIM"]]
+
+
+# Every program writes its own rows and reads nothing it writes, so timing a config twice is harmless.
+_tma_bwd = triton.autotune(
+    [triton.Config({"BIG": big, "SMALL": small}, num_warps=w, num_stages=st, pre_hook=_set_backward_block_shapes)
+     for big, small, w, st in TMA_BACKWARD_CONFIGS],
+    key=["N", "HEAD_DIM", "CAUSAL", "programs"],
+)(tma_backward_kernel)
+
+
+def flash_attention_backward_tma(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+    causal: bool = False, scale: float | None = None, config: tuple[int, int, int, int] | None = None,
+    one_launch: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) in the inputs' dtypes by the Hopper backward; raises where ``tma_applies`` is false.
+
+    ``config`` (BIG, SMALL, num_warps, num_stages) launches that one instead of the autotuned ones
+    (16 x 16 under the interpreter); ``one_launch=False`` runs the dK/dV programs, then the dQ ones.
+    """
+    teaching._check(q, k, v)
+    if not tma_applies(q):
+        raise ValueError(f"the TMA backward needs sm90+, fp16/bf16 and seq % {_BLOCK_ROWS} == 0; got {q.dtype} "
+                         f"of shape {tuple(q.shape)} on {q.device}")
+    b, h, n, d = q.shape
+    if config is None and env.INTERPRET:
+        config = (teaching.INTERPRETER_BLOCK, teaching.INTERPRETER_BLOCK, 1, 1)
+    if config is not None and (n % config[0] or config[0] % config[1]):
+        raise ValueError(f"config {config}: BIG must divide seq={n} and be a multiple of SMALL")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qm, km, vm, om, dom = (_rows_view(t) for t in (q, k, v, out, dout))
+    delta = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
+    teaching._check_rows(q, lse, delta)
+    pre_block = teaching.INTERPRETER_BLOCK if env.INTERPRET else _BLOCK_ROWS
+    teaching._bwd_preprocess[(triton.cdiv(n, pre_block), b * h)](om, dom, delta, n, HEAD_DIM=d, BLOCK_M=pre_block)
+    grads = [torch.empty_like(t) for t in (qm, km, vm)]
+    big, small = config[:2] if config is not None else (_BLOCK_ROWS, _BLOCK_ROWS)  # autotuned: the pre-hook sets them
+    sources = (qm, dom, km, vm, qm, dom, km, vm, *grads)
+    descs = [TensorDescriptor.from_tensor(t, [small if name.endswith("_small") else big, d])
+             for name, t in zip(_BWD_DESCRIPTORS, sources)]
+    args = (*descs, lse.contiguous(), delta, scale * teaching.LOG2E, scale, n)
+    for programs in (0,) if one_launch else (1, 2):
+        share = 2 if programs == 0 else 1  # key blocks and query blocks, or one of the two
+        if config is None:
+            _tma_bwd[lambda m, share=share: (share * n // m["BIG"], b * h)](
+                *args, programs, HEAD_DIM=d, CAUSAL=bool(causal))
+        else:
+            tma_backward_kernel[(share * n // big, b * h)](
+                *args, programs, HEAD_DIM=d, BIG=big, SMALL=small, CAUSAL=bool(causal),
+                num_warps=config[2], num_stages=config[3])
+    dq, dk, dv = (g.view(b, h, n, d) for g in grads)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class FlashAttentionTMA(torch.autograd.Function):
-    """Autograd wrapper: the TMA forward where it applies (else the teaching one), the teaching backward."""
+    """Autograd wrapper: the TMA forward where it applies (else the teaching one); the teaching backward, or the Hopper one."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
+        tma_backward: bool,
     ) -> torch.Tensor:
         """The attention output; saves Q, K, V, O and the logsumexp for the backward."""
         forward = flash_attention_forward_tma if tma_applies(q) else teaching.flash_attention_forward
         out, lse = forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.tma_backward = causal, scale, tma_backward
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-        """(dQ, dK, dV) by the teaching module's three kernels; no gradient for ``causal`` and ``scale``."""
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """(dQ, dK, dV); no gradient for ``causal``, ``scale`` and ``tma_backward``."""
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = teaching.flash_attention_backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        backward = (flash_attention_backward_tma if ctx.tma_backward and tma_applies(q)
+                    else teaching.flash_attention_backward)
+        dq, dk, dv = backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 def flash_attention_tma(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None,
+    tma_backward: bool = False,
 ) -> torch.Tensor:
-    """softmax(Q K^T * scale [+ causal mask]) V, (batch, heads, seq, head_dim); the TMA forward where ``tma_applies``."""
-    return FlashAttentionTMA.apply(q, k, v, causal, scale)
+    """softmax(Q K^T * scale [+ causal mask]) V, (batch, heads, seq, head_dim); the TMA forward where ``tma_applies``.
+
+    The backward is the teaching module's three kernels, or with ``tma_backward`` the Hopper one where it applies.
+    """
+    return FlashAttentionTMA.apply(q, k, v, causal, scale, tma_backward)
