@@ -6,7 +6,8 @@
   ``memory_trace`` (every load and store of a kernel, under the interpreter) and ``bank_conflicts``
   (shared-memory banks and a conflict-free tile layout).
 - ``flash_attention`` (chapter 10): FlashAttention forward and backward; ``flash_attention_hopper``
-  the forward through TMA tensor descriptors on sm90 (the same backward).
+  the forward through TMA tensor descriptors on sm90, with the same backward or, switched on, a
+  Hopper backward (TMA, the dK/dV and dQ programs in one launch).
 - ``fused_mlp`` (chapter 16's capstone): the transformer MLP with its GELU in the epilogues of
   chapter 09's matmul (chapter 08's fitted erfc), forward and backward.
 - ``probes`` (chapter 10's tests and experiments): is a kernel written, which course kernels it calls, which
