@@ -226,6 +226,21 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-1])
 
 
+def _checked_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: tuple[int, int, int, int] | None,
+                    scale: float | None, pass_name: str, blocks: tuple[str, str]) -> tuple[Any, float]:
+    """Check the inputs of a TMA pass; return the config to launch (16 x 16 under the interpreter) and the scale."""
+    teaching._check(q, k, v)
+    if not tma_applies(q):
+        raise ValueError(f"the TMA {pass_name} needs sm90+, fp16/bf16 and seq % {_BLOCK_ROWS} == 0; got {q.dtype} "
+                         f"of shape {tuple(q.shape)} on {q.device} (flash_attention_tma falls back by itself)")
+    n, d = q.shape[2], q.shape[3]
+    if config is None and env.INTERPRET:
+        config = (teaching.INTERPRETER_BLOCK, teaching.INTERPRETER_BLOCK, 1, 1)
+    if config is not None and (n % config[0] or config[0] % config[1]):
+        raise ValueError(f"config {config}: {blocks[0]} must divide seq={n} and be a multiple of {blocks[1]}")
+    return config, 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
 def flash_attention_forward_tma(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: float | None = None,
     config: tuple[int, int, int, int] | None = None, warp_specialize: bool = False, lazy_rescale: bool = False,
@@ -237,20 +252,12 @@ def flash_attention_forward_tma(
     the autotuned ones (16 x 16 tiles under the interpreter); ``warp_specialize`` needs a ``config``.
     ``lazy_rescale`` and ``poly_exp2`` (0, 1 or 2) are steps 5 and 6 of the module's docstring.
     """
-    teaching._check(q, k, v)
-    if not tma_applies(q):
-        raise ValueError(f"the TMA forward needs sm90+, fp16/bf16 and seq % {_BLOCK_ROWS} == 0; got {q.dtype} "
-                         f"of shape {tuple(q.shape)} on {q.device} (flash_attention_tma falls back by itself)")
     if poly_exp2 not in (0, 1, 2):
         raise ValueError(f"poly_exp2 is 0 (none), 1 (odd columns) or 2 (odd key blocks), got {poly_exp2!r}")
     if warp_specialize and config is None:
         raise ValueError("warp_specialize needs a config: Triton 3.6 cannot compile it for every autotuned one")
+    config, scale = _checked_launch(q, k, v, config, scale, "forward", ("BLOCK_M", "BLOCK_N"))
     b, h, n, d = q.shape
-    if config is None and env.INTERPRET:
-        config = (teaching.INTERPRETER_BLOCK, teaching.INTERPRETER_BLOCK, 1, 1)
-    if config is not None and (n % config[0] or config[0] % config[1]):
-        raise ValueError(f"config {config}: BLOCK_M must divide seq={n} and be a multiple of BLOCK_N")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qm, km, vm = (_rows_view(t) for t in (q, k, v))
     out = torch.empty_like(qm)
     lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
@@ -388,16 +395,8 @@ def flash_attention_backward_tma(
     ``config`` (BIG, SMALL, num_warps, num_stages) launches that one instead of the autotuned ones
     (16 x 16 under the interpreter); ``one_launch=False`` runs the dK/dV programs, then the dQ ones.
     """
-    teaching._check(q, k, v)
-    if not tma_applies(q):
-        raise ValueError(f"the TMA backward needs sm90+, fp16/bf16 and seq % {_BLOCK_ROWS} == 0; got {q.dtype} "
-                         f"of shape {tuple(q.shape)} on {q.device}")
+    config, scale = _checked_launch(q, k, v, config, scale, "backward", ("BIG", "SMALL"))
     b, h, n, d = q.shape
-    if config is None and env.INTERPRET:
-        config = (teaching.INTERPRETER_BLOCK, teaching.INTERPRETER_BLOCK, 1, 1)
-    if config is not None and (n % config[0] or config[0] % config[1]):
-        raise ValueError(f"config {config}: BIG must divide seq={n} and be a multiple of SMALL")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qm, km, vm, om, dom = (_rows_view(t) for t in (q, k, v, out, dout))
     delta = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     teaching._check_rows(q, lse, delta)
