@@ -19,11 +19,17 @@ backward allocates beyond what was allocated before it (the logits and the targe
 included; and the CUDA kernels that one forward + backward launches (``torch.profiler``). The
 device-to-device copy bandwidth is measured in the same run. An implementation that fails is
 recorded with its error and the run goes on.
+
+``one_pass`` (the record's ``one_pass``): the loss and the gradient for a caller that knows the
+gradient's scale up front, as ``course_lib.lm_head_loss`` does, by the forward and backward kernels
+in turn against ``fusion.cross_entropy_forward_backward`` (one launch, each row read twice while
+L2 may still hold it) at several grids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,7 +37,7 @@ import torch.nn.functional as F
 
 from benchmarks.provenance import median_ms, record_main, run_facts
 
-__all__ = ["FULL", "QUICK", "case", "implementations", "main", "measure"]
+__all__ = ["FULL", "PROGRAMS_PER_SM", "QUICK", "case", "implementations", "main", "measure", "one_pass"]
 
 FULL = {"tokens": 8192, "vocabs": [50257, 128256], "warmup_ms": 25, "rep_ms": 100, "copy_numel": 2**28}
 QUICK = {"tokens": 1024, "vocabs": [50257], "warmup_ms": 5, "rep_ms": 20, "copy_numel": 2**24}
@@ -122,6 +128,61 @@ def case(tokens: int, vocab: int, dtype: torch.dtype, impls: dict[str, Loss], ms
             "fused_bytes": 3 * tokens * vocab * itemsize, "rows": rows}
 
 
+PROGRAMS_PER_SM = (1, 2, 4, 8)
+"""The grids ``one_pass`` times ``fusion.cross_entropy_forward_backward`` at, beside one program per row."""
+
+
+def one_pass(tokens: int, vocab: int, ms: Timer, device: str = "cuda", seed: int = 0) -> dict[str, Any]:
+    """The loss and its gradient by two launches against one, at several grids; each row checked, then timed.
+
+    The two launches read the logits twice from memory and write the gradient once; the one launch
+    reads each row twice too, but the second read may come from L2 if few enough rows are in flight.
+    GB/s counts one read and one write of the logits (the least any of them must move).
+    """
+    from course_lib.kernels import fusion
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(tokens, vocab, generator=gen) * 2).to(device, torch.bfloat16)
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    targets[::IGNORED_EVERY] = -100
+    targets = targets.to(device)
+    scale = torch.tensor([1.0 / int((targets != -100).sum())], device=device)
+    out = torch.empty_like(logits)
+
+    def two_launches() -> tuple[torch.Tensor, torch.Tensor]:
+        losses, lse = fusion.cross_entropy_forward(logits, targets)
+        return losses, fusion.cross_entropy_backward(logits, targets, lse, scale, out=out)
+
+    want_losses, want_grad = (t.float() for t in two_launches())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
+    def one_launch(programs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return fusion.cross_entropy_forward_backward(logits, targets, scale, out=out, programs=programs)
+
+    variants: list[tuple[str, Callable[[], Any]]] = [("two launches (forward, backward)", two_launches)]
+    variants += [(f"one launch, {per_sm} program(s) per SM", partial(one_launch, per_sm * sms))
+                 for per_sm in PROGRAMS_PER_SM]
+    variants.append(("one launch, one program per row", partial(one_launch, tokens)))
+    rows = []
+    for name, fn in variants:
+        row: dict[str, Any] = {"name": name, "error": None}
+        try:
+            out.zero_()
+            losses, grad = fn()
+            row["loss_error"] = _relative_error(losses, want_losses)
+            row["grad_error"] = _relative_error(grad, want_grad)
+            if not max(row["loss_error"], row["grad_error"]) <= 1e-5:  # the same arithmetic: equal up to rounding
+                raise AssertionError(f"differs from the two launches: losses {row['loss_error']:.2e}, "
+                                     f"gradient {row['grad_error']:.2e}")
+            row["ms"] = ms(fn, [])
+            row["gbps"] = 2 * logits.numel() * logits.element_size() / (row["ms"] * 1e-3) / 1e9
+        except Exception as exc:  # noqa: BLE001 - a failing variant is a row of the record
+            row["error"] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        rows.append(row)
+        print(f"{tokens} x {vocab:6d} {name:36s} " + (
+            f"{row['ms']:.3f} ms, {row['gbps']:7.1f} GB/s" if row["error"] is None else row["error"]), flush=True)
+    return {"tokens": tokens, "vocab": vocab, "sms": sms, "rows": rows}
+
+
 def _copy_gbps(numel: int, ms: Timer) -> float:
     """Device-to-device bandwidth of ``dst.copy_(src)`` on fp32, bytes read + written."""
     src = torch.randn(numel, device="cuda")
@@ -137,15 +198,18 @@ def measure(quick: bool = False) -> dict[str, Any]:
         return median_ms(config, fn, grads)
 
     impls = implementations("cuda")
-    cases = []
+    cases, passes = [], []
     for vocab in config["vocabs"]:
         cases.append(case(config["tokens"], vocab, torch.bfloat16, impls, ms))
+        torch.cuda.empty_cache()
+        passes.append(one_pass(config["tokens"], vocab, ms))
         torch.cuda.empty_cache()
     return {
         **run_facts("python -m benchmarks.cross_entropy" + (" --quick" if quick else "")),
         "copy_gbps": _copy_gbps(config["copy_numel"], ms),
         "rate": "3 passes over the logits (the fused kernels' bytes) / forward + backward time",
         "cases": cases,
+        "one_pass": passes,
     }
 
 

@@ -7,7 +7,8 @@ writes ``benchmarks/results/gelu_steps_<gpu>.json`` (``-quick`` with ``--quick``
 once (the bias is 1/8192 of it), by the median of ``triton.testing.do_bench``, in three groups:
 
 - ``reference``: a device-to-device copy of x (the bandwidth roof), and torch.compile's fused bias
-  add alone, its exact GELU and its tanh GELU, the same bytes with more or less arithmetic;
+  add alone, its exact GELU, its tanh GELU and the fitted erfc's GELU written in PyTorch operations
+  (``erfc.fitted_gelu``, the capstone's), the same bytes with more or less arithmetic;
 - ``course``: ``fusion.bias_gelu`` as shipped, with the library's erf and with the fitted erfc;
 - ``math``: a copy of the course kernel's forward at its own tile, with the arithmetic cut back
   step by step: the bias add alone, then one exponential per element, then the fitted erfc (the
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.provenance import median_ms, record_main, run_facts
+from course_lib.erfc import fitted_gelu
 from course_lib.kernels import fusion
 
 # isort: split
@@ -150,6 +152,7 @@ def steps(config: dict[str, Any], ms: Ms, device: str = "cuda", compiled: bool =
             ("torch.compile, exact GELU", lambda a, b: F.gelu(a + b), exact),
             ("torch.compile, tanh GELU", lambda a, b: F.gelu(a + b, approximate="tanh"),
              F.gelu(x.double() + bias.double(), approximate="tanh")),
+            ("torch.compile, fitted-erfc GELU (erfc.fitted_gelu)", lambda a, b: fitted_gelu(a + b), exact),
         ):
             step = torch.compile(fn)
             rows.append(_row("reference", label, None, num_bytes, partial(step, x, bias), want, ms,

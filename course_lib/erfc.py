@@ -12,8 +12,13 @@ normal density. ``fit_erfc`` finds P by iteratively reweighted least squares (La
 it converges towards the polynomial with the smallest largest relative error), and
 ``ERFC_P`` / ``ERFC_COEFFS`` are its result for degree 4, which the Triton kernel uses.
 
+``fitted_gelu`` is the same GELU written in PyTorch operations, forward and backward, so that
+``torch.compile`` fuses it into one kernel each way in place of its exact-erf GELU: the capstone's
+``RunConfig.fitted_gelu`` (chapter 16), where the GELU kernels are compute-bound on an H200.
+
     fit = fit_erfc(degree=4, p=ERFC_P)        # fit.coeffs, fit.max_rel_error (about 1e-4)
     y = erfc_approx(x)                        # the kernel's formula in PyTorch, any dtype
+    y = fitted_gelu(x)                        # GELU through it, differentiable; fp32 inside, x's dtype out
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["ERFC_COEFFS", "ERFC_P", "ErfcFit", "erfc_approx", "fit_erfc"]
+__all__ = ["ERFC_COEFFS", "ERFC_P", "ErfcFit", "erfc_approx", "fit_erfc", "fitted_gelu"]
 
 ERFC_P = 0.565
 """The ``p`` of ``t = 1 / (1 + p x)``: chosen by scanning 0.25-0.70 for the smallest error at degree 4."""
@@ -78,3 +83,36 @@ def erfc_approx(x: torch.Tensor, p: float = ERFC_P, coeffs: tuple[float, ...] = 
         poly = poly * t + c
     tail = t * poly * torch.exp(-a * a)
     return torch.where(x >= 0, tail, 2.0 - tail)
+
+
+def _normal_cdf_pdf(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi(z) by the fitted erfc and the normal density phi(z), sharing one exponential; fp32 ``z``."""
+    e = torch.exp(-0.5 * z * z)
+    t = 1.0 / (1.0 + (ERFC_P / math.sqrt(2.0)) * z.abs())
+    poly = torch.full_like(z, ERFC_COEFFS[-1])
+    for c in reversed(ERFC_COEFFS[:-1]):
+        poly = poly * t + c
+    tail = 0.5 * t * poly * e  # Phi(-|z|) = erfc(|z| / sqrt 2) / 2, with its relative accuracy
+    return torch.where(z >= 0, 1.0 - tail, tail), e * (1.0 / math.sqrt(2.0 * math.pi))
+
+
+class _FittedGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(z)  # the input only, as for torch's GELU: the backward recomputes Phi
+        cdf, _ = _normal_cdf_pdf(z.float())
+        return (z.float() * cdf).to(z.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (z,) = ctx.saved_tensors
+        zf = z.float()
+        cdf, pdf = _normal_cdf_pdf(zf)
+        return (grad.float() * (cdf + zf * pdf)).to(grad.dtype)  # d/dz z Phi(z) = Phi(z) + z phi(z)
+
+
+def fitted_gelu(z: torch.Tensor) -> torch.Tensor:
+    """GELU z Phi(z) with Phi from the fitted erfc (relative error about 1e-4), differentiable, in PyTorch operations."""
+    if not z.is_floating_point():
+        raise ValueError(f"fitted_gelu needs a floating-point tensor, got {z.dtype}")
+    return _FittedGelu.apply(z)

@@ -4,17 +4,18 @@
 50,304-word vocabulary that is 3.3 GB in bf16, and under autocast the loss adds an fp32 copy and an
 fp32 log-softmax (6.6 GB each), then as much again for their gradients. ``linear_cross_entropy``
 takes the rows ``chunk_rows`` at a time instead. For each chunk it computes the logits (one GEMM),
-the per-row loss and logsumexp (``kernels.fusion.cross_entropy_forward``), the logits' gradient
-(``cross_entropy_backward``, written over the logits), and straight away the chunk's gradient of
-``h`` (dlogits @ W) and its share of W's gradient (dlogits^T @ h_chunk, summed over the chunks in
-fp32). Only those two gradients are kept for the backward pass, which merely scales them by the
-incoming gradient.
+the per-row loss and the logits' gradient written over the logits (one kernel,
+``kernels.fusion.cross_entropy_forward_backward``; ``cross_entropy_forward`` alone when no gradient
+is wanted), and straight away the chunk's gradient of ``h`` (dlogits @ W) and its share of W's
+gradient (dlogits^T @ h_chunk, summed over the chunks in fp32). Only those two gradients are kept
+for the backward pass, which merely scales them by the incoming gradient.
 
 Memory: one chunk of logits (at most ``LOGITS_CHUNK_BYTES`` = 1 GiB by default) plus the two
 gradients (the size of ``h``, and of W in fp32), instead of several n x vocab tensors. Time: the
-same three GEMMs as the unfused head (6 n d vocab FLOPs) and one read and write of each chunk's
-logits per kernel. The backward GEMMs run in the forward pass (skipped under ``torch.no_grad()`` or
-for inputs that need no gradient); the result is differentiable once, not twice.
+same three GEMMs as the unfused head (6 n d vocab FLOPs) and, for the loss, two reads of each
+chunk's logits and one write (the second read from L2 where the kernel's grid keeps it there). The
+backward GEMMs run in the forward pass (skipped under ``torch.no_grad()`` or for inputs that need no
+gradient); the result is differentiable once, not twice.
 
     loss = linear_cross_entropy(h, model.lm_head.weight, y)     # h (batch, time, d), y (batch, time)
     loss = linear_cross_entropy(h, w, y, ignore_index=-1, chunk_rows=4096)
@@ -68,13 +69,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 h = hidden[rows].to(compute_dtype)
                 t = targets[rows]
                 logits = torch.mm(h, w.t(), out=buffer[: h.shape[0]])
-                losses, lse = fusion.cross_entropy_forward(logits, t, ignore_index=ignore_index)
-                loss_sum += losses.sum()
                 if not (need_h or need_w):
+                    loss_sum += fusion.cross_entropy_forward(logits, t, ignore_index=ignore_index)[0].sum()
                     continue
-                # In place: the backward kernel reads each block of a row and then writes the same block, within
-                # one program per row, and never reads the logits again (lse is saved); the buffer is contiguous.
-                dlogits = fusion.cross_entropy_backward(logits, t, lse, scale, ignore_index=ignore_index, out=logits)
+                # Loss and gradient in one kernel, the gradient in place: each program reads a row whole
+                # (for its logsumexp and loss), then reads each block of it again and writes the same
+                # block, and no program reads another's rows; the buffer is contiguous.
+                losses, dlogits = fusion.cross_entropy_forward_backward(logits, t, scale, ignore_index=ignore_index,
+                                                                        out=logits)
+                loss_sum += losses.sum()
                 if grad_h is not None:
                     torch.mm(dlogits, w, out=grad_h[rows])
                 if grad_w is not None:

@@ -160,10 +160,12 @@ class FeedForward(nn.Module):
         self.fc = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
         self.proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        # The exact GELU; the capstone may swap in another of the same function (erfc.fitted_gelu).
+        self.activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to every position of ``x``."""
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+        return self.dropout(self.proj(self.activation(self.fc(x))))
 
 
 class Block(nn.Module):

@@ -72,6 +72,24 @@ def test_fused_mlp_trains_like_the_unfused_mlp():
     assert capstone.RunConfig(fused_mlp=True).baseline().fused_mlp is False
 
 
+def test_fitted_gelu_trains_like_the_exact_gelu():
+    # The MLP's GELU through the fitted erfc (erfc.fitted_gelu), in fp32: the same losses as the exact
+    # GELU up to the fit's error, every block's MLP switched, and not both GELU replacements at once.
+    run = capstone.RunConfig("tiny", steps=3, batch_size=2, seq_len=16, compile=False, bf16=False, warmup=1, lr=3e-3)
+    exact = capstone.train(run, progress=False, peak=(1e12, "test"))
+    fitted = capstone.train(dataclasses.replace(run, fitted_gelu=True), progress=False, peak=(1e12, "test"))
+    assert fitted.extra["fitted_gelu"] is True and exact.extra["fitted_gelu"] is False
+    assert fitted.losses == pytest.approx(exact.losses, rel=1e-4)
+    assert fitted.losses[-1] != pytest.approx(fitted.losses[0], rel=1e-3)  # it did train
+    from course_lib.erfc import fitted_gelu
+
+    _, model, _ = capstone.training_step(dataclasses.replace(run, fitted_gelu=True))
+    assert all(block.mlp.activation is fitted_gelu for block in model.blocks)
+    assert capstone.RunConfig(fitted_gelu=True).baseline().fitted_gelu is False
+    with pytest.raises(ValueError, match="choose one"):
+        capstone.training_step(dataclasses.replace(run, fitted_gelu=True, fused_mlp=True))
+
+
 def test_cuda_graphs_compile_in_reduce_overhead_mode(monkeypatch):
     # The compiled part goes through torch.compile(mode="reduce-overhead"); on a CPU no graph is recorded,
     # and the run must train exactly as the same run compiled without it. Needs compile.
@@ -104,6 +122,29 @@ def test_cuda_graphs_train_like_the_compiled_run_gpu(fused_loss):
     assert graphed.extra["cuda_graphs"] is True
     assert graphed.losses == pytest.approx(plain.losses, rel=1e-2)
     assert len(set(graphed.losses)) == len(graphed.losses)  # each step's own loss, not one buffer's last value
+
+
+@pytest.mark.gpu
+def test_fitted_gelu_compiles_to_what_it_computes_eagerly_gpu():
+    # torch.compile turns the autograd.Function into its own fused kernels: the same values and
+    # gradients as eager PyTorch within a bf16 rounding, and a compiled run trains like the exact GELU's.
+    from course_lib.erfc import fitted_gelu
+
+    torch.manual_seed(0)
+    z = (4 * torch.randn(2048, 3072, device="cuda")).bfloat16().requires_grad_()
+    z_eager = z.detach().clone().requires_grad_()
+    dy = torch.randn_like(z)
+    y = torch.compile(fitted_gelu)(z)
+    y.backward(dy)
+    y_eager = fitted_gelu(z_eager)
+    y_eager.backward(dy)
+    torch.testing.assert_close(y, y_eager, atol=1e-6, rtol=2**-7)
+    torch.testing.assert_close(z.grad, z_eager.grad, atol=1e-6, rtol=2**-7)
+    run = capstone.RunConfig("tiny", steps=4, batch_size=4, warmup=2, lr=3e-3, fused_loss=True, bf16_weights=True)
+    exact = capstone.train(run, progress=False)
+    fitted = capstone.train(dataclasses.replace(run, fitted_gelu=True), progress=False)
+    assert fitted.extra["fitted_gelu"] is True
+    assert fitted.losses == pytest.approx(exact.losses, rel=1e-2)
 
 
 def test_bf16_weights_train_like_autocast():

@@ -396,6 +396,54 @@ def test_cross_entropy_is_two_launches_and_saves_no_probabilities():
     assert not [t for t in saved if t.numel() >= logits.numel() and t.untyped_storage().data_ptr() != mine]
 
 
+@pytest.mark.parametrize("programs", [1, 3, 7, None])
+def test_cross_entropy_forward_backward_is_the_two_launches_in_one(programs):
+    # Ragged vocabulary (3 blocks of 16, the last partial), an ignored row, a target past the
+    # vocabulary (NaN loss and gradient row, nothing read outside the row), fewer programs than rows
+    # (each program loops over rows pid, pid + programs, ...) and as many as rows.
+    logits = _rand(7, 41, scale=3.0)
+    logits[2, :20] = -float("inf")  # a restricted vocabulary: masked first block
+    targets = torch.tensor([5, -100, 30, 40, 41, 0, 17], device=DEV)
+    scale = torch.tensor([0.25], device=DEV)
+    want_losses, lse = fusion.cross_entropy_forward(logits, targets, block_size=16)
+    want_grad = fusion.cross_entropy_backward(logits, targets, lse, scale, block_size=16)
+    losses, grad = fusion.cross_entropy_forward_backward(logits, targets, scale, block_size=16, programs=programs)
+    assert_close(losses, want_losses, rtol=0, atol=0, name="losses")
+    assert_close(grad, want_grad, rtol=0, atol=0, name="dlogits")
+    assert torch.isnan(losses[4]) and torch.isnan(grad[4]).all() and losses[1] == 0 and (grad[1] == 0).all()
+    good = torch.tensor([0, 2, 3, 5, 6], device=DEV)
+    ref = logits[good].clone().requires_grad_()
+    F.cross_entropy(ref, targets[good], reduction="sum").backward()
+    assert_close(grad[good], 0.25 * ref.grad, name="dlogits against torch")
+    in_place = logits.clone()
+    losses2, grad2 = fusion.cross_entropy_forward_backward(in_place, targets, scale, block_size=16, out=in_place,
+                                                           programs=programs)
+    assert grad2.data_ptr() == in_place.data_ptr(), "out=logits writes the gradient over the logits"
+    assert_close(losses2, want_losses, rtol=0, atol=0, name="losses, in place")
+    assert_close(grad2, want_grad, rtol=0, atol=0, name="dlogits, in place")
+
+
+def test_cross_entropy_forward_backward_rejects_bad_programs_and_outs():
+    logits, targets, scale = _rand(3, 20), torch.tensor([1, 2, 3], device=DEV), torch.ones(1, device=DEV)
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="programs"):
+            fusion.cross_entropy_forward_backward(logits, targets, scale, programs=bad)
+    with pytest.raises(ValueError, match="out"):
+        fusion.cross_entropy_forward_backward(logits, targets, scale, out=torch.empty(3, 21, device=DEV))
+
+
+def test_cross_entropy_one_pass_benchmark_plumbing():
+    from benchmarks import cross_entropy as bench
+
+    record = bench.one_pass(6, 50, ms=lambda fn, grads: (fn(), 2.0)[1], device=DEV.type)
+    assert [row["name"] for row in record["rows"]][0].startswith("two launches")
+    assert len(record["rows"]) == 2 + len(bench.PROGRAMS_PER_SM)
+    for row in record["rows"]:
+        assert row["error"] is None, row
+        assert row["ms"] == 2.0 and row["grad_error"] <= 1e-5
+        assert row["gbps"] == pytest.approx(2 * 6 * 50 * 2 / 2e-3 / 1e9)
+
+
 def test_cross_entropy_rejects_bad_input():
     with pytest.raises(ValueError):
         fusion.cross_entropy(torch.zeros(2, 3, 4), torch.zeros(2, dtype=torch.int64))
@@ -433,6 +481,24 @@ def test_cross_entropy_benchmark_needs_a_gpu():
 @pytest.mark.parametrize("n, vocab, block_size", [(64, 50257, 4096), (16, 128256, 4096), (33, 1000, 256), (8, 3, 64)])
 def test_cross_entropy_gpu(dtype, n, vocab, block_size):
     _check_cross_entropy(n, vocab, dtype=dtype, device="cuda", block_size=block_size, ignored=(0, 5 % n), grad=1.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [None, 1, 16400])
+def test_cross_entropy_forward_backward_gpu(programs):
+    # The one-launch kernel compiled: equal to the two launches on GPT-2's vocabulary, in place, with
+    # the default grid (programs per SM), one program, and one program per row.
+    n, vocab = 300, 50257
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 2
+    targets = torch.randint(0, vocab, (n,), device="cuda")
+    targets[::7] = -100
+    scale = torch.tensor([1 / 257.0], device="cuda")
+    want_losses, lse = fusion.cross_entropy_forward(logits, targets)
+    want_grad = fusion.cross_entropy_backward(logits, targets, lse, scale)
+    losses, grad = fusion.cross_entropy_forward_backward(logits, targets, scale, out=logits, programs=programs)
+    assert grad.data_ptr() == logits.data_ptr()
+    assert_close(losses, want_losses, rtol=1e-6, atol=1e-6, name="losses")  # the same arithmetic, compiled apart
+    assert_close(grad.float(), want_grad.float(), rtol=2**-8, atol=1e-9, name="dlogits")
 
 
 @pytest.mark.gpu

@@ -124,9 +124,9 @@ def _relative_error(a, b):
 def test_bf16_autocast_matches_unfused_under_autocast(monkeypatch):
     hidden, weight, targets = _inputs(30, 120, 16, ignored=(0, 7))
     seen = []
-    forward = fusion.cross_entropy_forward
-    monkeypatch.setattr(fusion, "cross_entropy_forward",
-                        lambda logits, *args, **kwargs: seen.append(logits.dtype) or forward(logits, *args, **kwargs))
+    both = fusion.cross_entropy_forward_backward
+    monkeypatch.setattr(fusion, "cross_entropy_forward_backward",
+                        lambda logits, *args, **kwargs: seen.append(logits.dtype) or both(logits, *args, **kwargs))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, dh, dw = _fused(hidden, weight, targets, grad=3.0, chunk_rows=8)
         ref_loss, ref_dh, ref_dw = _reference(hidden, weight, targets, grad=3.0)
@@ -165,24 +165,27 @@ def test_saves_only_the_two_gradients():
 def test_no_logits_larger_than_a_chunk(monkeypatch):
     n, vocab, d, chunk = 23, 90, 8, 5
     hidden, weight, targets = _inputs(n, vocab, d, ignored=(0,))
-    forwards, backwards = [], []
-    forward, backward = fusion.cross_entropy_forward, fusion.cross_entropy_backward
+    calls = []
+    both, forward = fusion.cross_entropy_forward_backward, fusion.cross_entropy_forward
 
-    def watch_forward(logits, *args, **kwargs):
-        forwards.append(tuple(logits.shape))
-        return forward(logits, *args, **kwargs)
+    def watch_both(logits, *args, **kwargs):
+        losses, dlogits = both(logits, *args, **kwargs)
+        calls.append((tuple(logits.shape), dlogits.data_ptr() == logits.data_ptr()))
+        return losses, dlogits
 
-    def watch_backward(logits, *args, **kwargs):
-        out = backward(logits, *args, **kwargs)
-        backwards.append((tuple(logits.shape), out.data_ptr() == logits.data_ptr()))
-        return out
+    def no_forward_alone(*args, **kwargs):
+        raise AssertionError("with gradients wanted, the loss comes from the one-launch kernel")
 
-    monkeypatch.setattr(fusion, "cross_entropy_forward", watch_forward)
-    monkeypatch.setattr(fusion, "cross_entropy_backward", watch_backward)
+    monkeypatch.setattr(fusion, "cross_entropy_forward_backward", watch_both)
+    monkeypatch.setattr(fusion, "cross_entropy_forward", no_forward_alone)
     _check_fp32(hidden, weight, targets, grad=1.5, chunk_rows=chunk, what="watched")
-    assert forwards == [(5, vocab)] * 4 + [(3, vocab)], forwards
-    assert [shape for shape, _ in backwards] == forwards
-    assert all(in_place for _, in_place in backwards), "dlogits are written over the chunk's logits"
+    assert [shape for shape, _ in calls] == [(5, vocab)] * 4 + [(3, vocab)], calls
+    assert all(in_place for _, in_place in calls), "dlogits are written over the chunk's logits"
+    monkeypatch.setattr(fusion, "cross_entropy_forward", forward)
+    calls.clear()
+    with torch.no_grad():  # no gradient wanted: the forward kernel alone
+        linear_cross_entropy(hidden, weight, targets, chunk_rows=chunk)
+    assert calls == []
 
 
 def test_default_chunk_rows_bounds_the_logits():

@@ -11,8 +11,10 @@
   with ``ignore_index``: a forward kernel (online logsumexp, one read of the logits) and a backward
   kernel (softmax - onehot from the saved logsumexp) in an autograd.Function;
   ``cross_entropy_forward`` and ``cross_entropy_backward`` are the two launches (the latter can
-  write over the logits, ``out=logits``, as ``course_lib.lm_head_loss`` does chunk by chunk). A
-  target outside [0, vocab) that is not ``ignore_index`` makes the loss NaN (torch raises there).
+  write over the logits, ``out=logits``); ``cross_entropy_forward_backward`` is both in one launch
+  for a caller that knows the gradient's scale up front (``course_lib.lm_head_loss``, chunk by
+  chunk), reading each row twice while L2 still holds it. A target outside [0, vocab) that is not
+  ``ignore_index`` makes the loss NaN (torch raises there).
 - ``adam_step_`` and ``FlatAdam``: a whole Adam/AdamW step in one pass over flat fp32 buffers.
 
 Every kernel computes in fp32 and stores in the tensor's own dtype. Under Triton's CPU
@@ -51,6 +53,8 @@ __all__ = [
     "CROSS_ENTROPY_BLOCK",
     "cross_entropy_forward",
     "cross_entropy_backward",
+    "cross_entropy_forward_backward",
+    "CROSS_ENTROPY_PROGRAMS_PER_SM",
     "cross_entropy",
     "adam_step_",
     "FlatAdam",
@@ -68,6 +72,8 @@ ELEMENTWISE_BLOCK = 4096
 BIAS_GELU_TILE = 2048
 # Columns per block of the cross-entropy kernels: a 128k-entry vocabulary row is walked in 32 blocks.
 CROSS_ENTROPY_BLOCK = 4096
+CROSS_ENTROPY_PROGRAMS_PER_SM = 2
+"""``cross_entropy_forward_backward``'s default programs per SM: rows in flight that L2 can hold twice over."""
 
 
 def _check_contiguous(*tensors: Tensor) -> None:
@@ -403,13 +409,10 @@ def softmax_backward(y: Tensor, dy: Tensor, *, block_size: int | None = None) ->
 # ---- cross-entropy over a large vocabulary ---------------------------------------------------
 
 @triton.jit
-def _cross_entropy_fwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, n_cols, row_stride, ignore_index,
-                              BLOCK: tl.constexpr):
-    # One program per row (token). The row (the vocabulary) is read once, block by block, keeping
-    # a running max m and a running sum s of exp(x - m) that is rescaled whenever m grows (the
-    # online softmax of the wide-row kernel above, with scalars instead of one pair per lane).
-    row = tl.program_id(0).to(tl.int64)  # int64: 16k tokens x 128k vocabulary is past 2**31 elements
-    base = logits_ptr + row * row_stride
+def _row_logsumexp(base, n_cols, BLOCK: tl.constexpr):
+    """log sum exp of one row of logits at ``base``, read once, block by block."""
+    # A running max m and a running sum s of exp(x - m), rescaled whenever m grows (the online
+    # softmax of the wide-row kernel above, with scalars instead of one pair per lane).
     m = -float("inf")  # scalars: fp32 once the loop has run
     s = 0.0
     for start in range(0, n_cols, BLOCK):
@@ -419,38 +422,72 @@ def _cross_entropy_fwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, n_cols
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row that is all -inf so far: s stays 0
         s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
         m = m_new
-    lse = m + tl.log(s)
-    target = tl.load(targets_ptr + row)
+    return m + tl.log(s)
+
+
+@triton.jit
+def _row_loss(base, target, lse, n_cols, ignore_index):
+    """One row's loss lse - x[target]: 0 if the row is ignored, NaN if it counts but names no column."""
+    # The target's logit is one more element, read only for rows that count and name a column. A
+    # row that counts but names no column gets a NaN loss: the mean turns NaN without a host sync
+    # (torch checks with a device-side assert instead), and nothing outside the row is read.
     counts = target != ignore_index
     in_range = (target >= 0) & (target < n_cols)
-    # The target's logit: one more element, read only for rows that count and name a column. A row
-    # that counts but names no column gets a NaN loss: the mean turns NaN without a host sync
-    # (torch checks with a device-side assert instead), and nothing outside the row is read.
     x_target = tl.load(base + target, mask=counts & in_range, other=0.0).to(tl.float32)
-    loss = tl.where(in_range, lse - x_target, float("nan"))
-    tl.store(loss_ptr + row, tl.where(counts, loss, 0.0))
+    return tl.where(counts, tl.where(in_range, lse - x_target, float("nan")), 0.0)
+
+
+@triton.jit
+def _row_softmax_grad(base, out_base, target, lse, scale, n_cols, ignore_index, BLOCK: tl.constexpr):
+    """Write (softmax(x) - onehot(target)) * scale over one row: 0 if ignored, NaN if the target names no column."""
+    # softmax(x) = exp(x - lse) from the row's logsumexp: one read of the logits, one write of the
+    # gradient, no reduction left to do. Each block is read before the same block is written.
+    counts = target != ignore_index
+    scale = tl.where(counts, scale, 0.0)
+    scale = tl.where(counts & ((target < 0) | (target >= n_cols)), float("nan"), scale)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        d = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+        tl.store(out_base + cols, d.to(out_base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, n_cols, row_stride, ignore_index,
+                              BLOCK: tl.constexpr):
+    # One program per row (token): its logsumexp and loss.
+    row = tl.program_id(0).to(tl.int64)  # int64: 16k tokens x 128k vocabulary is past 2**31 elements
+    base = logits_ptr + row * row_stride
+    lse = _row_logsumexp(base, n_cols, BLOCK)
+    tl.store(loss_ptr + row, _row_loss(base, tl.load(targets_ptr + row), lse, n_cols, ignore_index))
     tl.store(lse_ptr + row, lse)
 
 
 @triton.jit
 def _cross_entropy_bwd_kernel(logits_ptr, targets_ptr, lse_ptr, scale_ptr, dlogits_ptr, n_cols, row_stride,
                               ignore_index, BLOCK: tl.constexpr):
-    # dlogits = (softmax(x) - onehot(target)) * scale, softmax(x) = exp(x - lse) from the saved
-    # logsumexp: one read of the logits and one write of the gradient, no reduction left to do.
+    # One program per row: its gradient from the saved logsumexp. scale = d(loss)/d(loss of a row):
+    # grad_output / number of rows that count.
     row = tl.program_id(0).to(tl.int64)
-    target = tl.load(targets_ptr + row)
-    lse = tl.load(lse_ptr + row)
-    scale = tl.load(scale_ptr)  # d(loss)/d(loss of a row): grad_output / number of rows that count
-    counts = target != ignore_index
-    scale = tl.where(counts, scale, 0.0)
-    # A row that counts but whose target names no column: a NaN gradient row, as its loss is NaN.
-    scale = tl.where(counts & ((target < 0) | (target >= n_cols)), float("nan"), scale)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(logits_ptr + row * row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        d = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
-        tl.store(dlogits_ptr + row * n_cols + cols, d.to(dlogits_ptr.dtype.element_ty), mask=mask)
+    _row_softmax_grad(logits_ptr + row * row_stride, dlogits_ptr + row * n_cols, tl.load(targets_ptr + row),
+                      tl.load(lse_ptr + row), tl.load(scale_ptr), n_cols, ignore_index, BLOCK)
+
+
+@triton.jit
+def _cross_entropy_fwd_bwd_kernel(logits_ptr, targets_ptr, loss_ptr, dlogits_ptr, scale_ptr, n_rows, n_cols,
+                                  row_stride, ignore_index, BLOCK: tl.constexpr):
+    # Forward and backward in one pass over the rows, for a caller that knows the gradient's scale
+    # before the loss (the chunked LM head). Each program takes rows pid, pid + programs, ...: with few
+    # programs at a time, the rows being read are few enough for L2 to hold, so the second read of a
+    # row (for its gradient) comes from L2 instead of memory.
+    scale = tl.load(scale_ptr)
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0).to(tl.int64)):  # int64 rows
+        base = logits_ptr + row * row_stride
+        target = tl.load(targets_ptr + row)
+        lse = _row_logsumexp(base, n_cols, BLOCK)
+        tl.store(loss_ptr + row, _row_loss(base, target, lse, n_cols, ignore_index))
+        _row_softmax_grad(base, dlogits_ptr + row * n_cols, target, lse, scale, n_cols, ignore_index, BLOCK)
 
 
 def _check_cross_entropy_args(logits: Tensor, targets: Tensor) -> None:
@@ -468,6 +505,20 @@ def _cross_entropy_block(n_cols: int, block_size: int) -> tuple[int, int]:
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     block = min(block_size, triton.next_power_of_2(max(n_cols, 1)))
     return block, min(16, max(1, block // 512))
+
+
+def _dlogits_out(logits: Tensor, out: Tensor | None) -> Tensor:
+    """Where the logits' gradient goes: ``out`` once checked (contiguous, the logits' shape and dtype; if it
+    shares their memory, the logits themselves), or a new tensor."""
+    if out is None:
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+    if out.shape != logits.shape or out.dtype != logits.dtype or out.device != logits.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(logits.shape)} {logits.dtype} tensor on {logits.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}")
+    same_memory = out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+    if same_memory and (out.data_ptr() != logits.data_ptr() or out.stride() != logits.stride()):
+        raise ValueError("out shares memory with the logits: it must then be the logits themselves, contiguous")
+    return out
 
 
 def cross_entropy_forward(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
@@ -494,21 +545,38 @@ def cross_entropy_backward(logits: Tensor, targets: Tensor, lse: Tensor, scale: 
     """
     _check_cross_entropy_args(logits, targets)
     n_rows, n_cols = logits.shape
-    if out is None:
-        dlogits = torch.empty(n_rows, n_cols, device=logits.device, dtype=logits.dtype)
-    else:
-        if out.shape != logits.shape or out.dtype != logits.dtype or out.device != logits.device or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {tuple(logits.shape)} {logits.dtype} tensor on {logits.device}, "
-                             f"got {tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}")
-        same_memory = out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
-        if same_memory and (out.data_ptr() != logits.data_ptr() or out.stride() != logits.stride()):
-            raise ValueError("out shares memory with the logits: it must then be the logits themselves, contiguous")
-        dlogits = out
+    dlogits = _dlogits_out(logits, out)
     block, warps = _cross_entropy_block(n_cols, block_size)
     if n_rows:
         _cross_entropy_bwd_kernel[(n_rows,)](logits, targets, lse, scale, dlogits, n_cols, logits.stride(0),
                                              ignore_index, BLOCK=block, num_warps=warps)
     return dlogits
+
+
+def cross_entropy_forward_backward(logits: Tensor, targets: Tensor, scale: Tensor, *, ignore_index: int = -100,
+                                   block_size: int = CROSS_ENTROPY_BLOCK, out: Tensor | None = None,
+                                   programs: int | None = None) -> tuple[Tensor, Tensor]:
+    """(losses, dlogits) in one kernel: ``cross_entropy_forward``'s losses and ``cross_entropy_backward``'s gradient.
+
+    ``scale`` and ``out`` as for ``cross_entropy_backward``. ``programs``: how many programs share
+    the rows (default: ``CROSS_ENTROPY_PROGRAMS_PER_SM`` per SM on a GPU; one per row under the
+    interpreter); each reads its row twice, and fewer programs keep the second read in L2.
+    """
+    _check_cross_entropy_args(logits, targets)
+    n_rows, n_cols = logits.shape
+    dlogits = _dlogits_out(logits, out)
+    losses = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
+    if programs is None:
+        programs = (torch.cuda.get_device_properties(logits.device).multi_processor_count
+                    * CROSS_ENTROPY_PROGRAMS_PER_SM if logits.is_cuda else n_rows)
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"programs must be an int >= 1 or None, got {programs!r}")
+    block, warps = _cross_entropy_block(n_cols, block_size)
+    if n_rows:
+        _cross_entropy_fwd_bwd_kernel[(min(programs, n_rows),)](logits, targets, losses, dlogits, scale, n_rows,
+                                                                n_cols, logits.stride(0), ignore_index,
+                                                                BLOCK=block, num_warps=warps)
+    return losses, dlogits
 
 
 class _CrossEntropy(torch.autograd.Function):
