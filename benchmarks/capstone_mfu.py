@@ -37,10 +37,11 @@ from course_lib import capstone
 from course_lib.flops import device_peak_flops, utilization
 from course_lib.profiling import profile_categories
 
-__all__ = ["PROFILED_STEPS", "ROWS", "main", "matmul_peak", "measure"]
+__all__ = ["PROFILED_STEPS", "PROFILED_TOP", "ROWS", "main", "matmul_peak", "measure"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROFILED_STEPS = 3
+PROFILED_TOP = 30  # kernels kept by name per row: enough to see what "other" holds
 # Each row: (label, the fields it changes in the base run). Each row stands alone, so a change that
 # does not pay does not hide inside the rows after it.
 ROWS: list[tuple[str, dict[str, Any]]] = [
@@ -79,7 +80,7 @@ def _row(label: str, run: capstone.RunConfig, device: torch.device, peak: tuple[
         step()
     return {"label": label, "config": asdict(run), "tokens_per_s": result.tokens_per_s, "step_ms": result.step_s * 1e3,
             "mfu": result.mfu, "mfu_vs_matmul": utilization(cfg, run.batch_size, result.step_s, matmul)[0],
-            "final_loss": result.losses[-1], "profile": profile_categories(step, device, PROFILED_STEPS)}
+            "final_loss": result.losses[-1], "profile": profile_categories(step, device, PROFILED_STEPS, top=PROFILED_TOP)}
 
 
 def measure(device: torch.device, quick: bool, steps: int = 20,
