@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from benchmarks.provenance import median_ms, record_main, run_facts
 
-__all__ = ["FULL", "PROGRAMS_PER_SM", "QUICK", "case", "implementations", "main", "measure", "one_pass"]
+__all__ = ["FULL", "ONE_PASS_LAUNCHES", "QUICK", "case", "implementations", "main", "measure", "one_pass"]
 
 FULL = {"tokens": 8192, "vocabs": [50257, 128256], "warmup_ms": 25, "rep_ms": 100, "copy_numel": 2**28}
 QUICK = {"tokens": 1024, "vocabs": [50257], "warmup_ms": 5, "rep_ms": 20, "copy_numel": 2**24}
@@ -128,8 +128,9 @@ def case(tokens: int, vocab: int, dtype: torch.dtype, impls: dict[str, Loss], ms
             "fused_bytes": 3 * tokens * vocab * itemsize, "rows": rows}
 
 
-PROGRAMS_PER_SM = (1, 2, 4, 8)
-"""The grids ``one_pass`` times ``fusion.cross_entropy_forward_backward`` at, beside one program per row."""
+ONE_PASS_LAUNCHES = ((1, 4096), (2, 4096), (4, 4096), (8, 4096), (1, 16384), (2, 8192), (2, 16384), (4, 8192))
+"""(programs per SM, block of columns) that ``one_pass`` times ``fusion.cross_entropy_forward_backward`` at,
+beside one program per row: fewer rows in flight keep L2's copy, larger blocks keep more bytes in flight."""
 
 
 def one_pass(tokens: int, vocab: int, ms: Timer, device: str = "cuda", seed: int = 0) -> dict[str, Any]:
@@ -155,13 +156,15 @@ def one_pass(tokens: int, vocab: int, ms: Timer, device: str = "cuda", seed: int
 
     want_losses, want_grad = (t.float() for t in two_launches())
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
-    def one_launch(programs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return fusion.cross_entropy_forward_backward(logits, targets, scale, out=out, programs=programs)
+    def one_launch(programs: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return fusion.cross_entropy_forward_backward(logits, targets, scale, out=out, programs=programs,
+                                                     block_size=block)
 
+    default = fusion.CROSS_ENTROPY_BLOCK
     variants: list[tuple[str, Callable[[], Any]]] = [("two launches (forward, backward)", two_launches)]
-    variants += [(f"one launch, {per_sm} program(s) per SM", partial(one_launch, per_sm * sms))
-                 for per_sm in PROGRAMS_PER_SM]
-    variants.append(("one launch, one program per row", partial(one_launch, tokens)))
+    variants += [(f"one launch, {per_sm} per SM, block {block}", partial(one_launch, per_sm * sms, block))
+                 for per_sm, block in ONE_PASS_LAUNCHES]
+    variants.append((f"one launch, one per row, block {default}", partial(one_launch, tokens, default)))
     rows = []
     for name, fn in variants:
         row: dict[str, Any] = {"name": name, "error": None}
@@ -178,7 +181,7 @@ def one_pass(tokens: int, vocab: int, ms: Timer, device: str = "cuda", seed: int
         except Exception as exc:  # noqa: BLE001 - a failing variant is a row of the record
             row["error"] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         rows.append(row)
-        print(f"{tokens} x {vocab:6d} {name:36s} " + (
+        print(f"{tokens} x {vocab:6d} {name:38s} " + (
             f"{row['ms']:.3f} ms, {row['gbps']:7.1f} GB/s" if row["error"] is None else row["error"]), flush=True)
     return {"tokens": tokens, "vocab": vocab, "sms": sms, "rows": rows}
 

@@ -437,7 +437,7 @@ def test_cross_entropy_one_pass_benchmark_plumbing():
 
     record = bench.one_pass(6, 50, ms=lambda fn, grads: (fn(), 2.0)[1], device=DEV.type)
     assert [row["name"] for row in record["rows"]][0].startswith("two launches")
-    assert len(record["rows"]) == 2 + len(bench.PROGRAMS_PER_SM)
+    assert len(record["rows"]) == 2 + len(bench.ONE_PASS_LAUNCHES)
     for row in record["rows"]:
         assert row["error"] is None, row
         assert row["ms"] == 2.0 and row["grad_error"] <= 1e-5
