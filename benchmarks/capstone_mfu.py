@@ -11,9 +11,10 @@ cross-entropy kernels, ``RunConfig.fused_loss``), then with it the course's flat
 the residual stream and LayerNorms in bf16 instead of fp32), with it the MLP's GELU inside the
 epilogues of its matmuls (``RunConfig.fused_mlp``, ``kernels.fused_mlp``), or with it the compiled part replayed
 from CUDA graphs (``RunConfig.cuda_graphs``: torch.compile's "reduce-overhead" mode), or the GELU through
-chapter 08's fitted erfc (``RunConfig.fitted_gelu``, ``erfc.fitted_gelu``: less arithmetic in the kernels
-torch.compile generates), or twice the batch (with the fused loss; with it and bf16 weights; and with the
-fitted GELU as well).
+chapter 08's fitted erfc, once as PyTorch operations that torch.compile fuses (``RunConfig.fitted_gelu``,
+``erfc.fitted_gelu``) and once as chapter 08's bias+GELU kernel behind a custom op
+(``RunConfig.kernel_gelu``, ``kernels.gelu_op``), or twice the batch (with the fused loss; with it and
+bf16 weights; and with those and the bias+GELU kernel).
 Per row: tokens/s over the timed steps, MFU against the datasheet's dense bf16 peak and against
 cuBLAS's bf16 rate measured in the same run (the fastest rate a GEMM reaches here, at 8192^3 and
 at the model's MLP shape), and where the GPU time of a step goes: ``torch.profiler`` over
@@ -53,10 +54,11 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
                                                              "fused_mlp": True}),
     ("+ fused loss, bf16 weights, CUDA graphs", {"fused_loss": True, "bf16_weights": True, "cuda_graphs": True}),
     ("+ fused loss, bf16 weights, fitted-erfc GELU", {"fused_loss": True, "bf16_weights": True, "fitted_gelu": True}),
+    ("+ fused loss, bf16 weights, bias+GELU kernel", {"fused_loss": True, "bf16_weights": True, "kernel_gelu": True}),
     ("+ fused loss, batch x2", {"fused_loss": True, "batch_size": 2}),  # batch_size: a factor on the base run's
     ("+ fused loss, bf16 weights, batch x2", {"fused_loss": True, "bf16_weights": True, "batch_size": 2}),
-    ("+ fused loss, bf16 weights, fitted-erfc GELU, batch x2", {"fused_loss": True, "bf16_weights": True,
-                                                             "fitted_gelu": True, "batch_size": 2}),
+    ("+ fused loss, bf16 weights, bias+GELU kernel, batch x2", {"fused_loss": True, "bf16_weights": True,
+                                                             "kernel_gelu": True, "batch_size": 2}),
 ]
 
 def matmul_peak(device: torch.device, shapes: Iterable[tuple[int, int, int]],

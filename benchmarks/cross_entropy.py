@@ -173,7 +173,7 @@ def one_pass(tokens: int, vocab: int, ms: Timer, device: str = "cuda", seed: int
             losses, grad = fn()
             row["loss_error"] = _relative_error(losses, want_losses)
             row["grad_error"] = _relative_error(grad, want_grad)
-            if not max(row["loss_error"], row["grad_error"]) <= 1e-5:  # the same arithmetic: equal up to rounding
+            if not max(row["loss_error"], row["grad_error"]) <= 2**-8:  # the same arithmetic, compiled apart: bf16 rounding
                 raise AssertionError(f"differs from the two launches: losses {row['loss_error']:.2e}, "
                                      f"gradient {row['grad_error']:.2e}")
             row["ms"] = ms(fn, [])

@@ -28,6 +28,7 @@ the same batches, and what separates them:
                optional (``fused_mlp``) the MLP's GELU inside its matmuls' epilogues (``kernels.fused_mlp``),
                optional (``fitted_gelu``) the MLP's GELU through chapter 08's fitted erfc (``erfc.fitted_gelu``),
                which torch.compile fuses as it fuses the exact one, with less arithmetic,
+               optional (``kernel_gelu``) the MLP's bias + GELU by chapter 08's kernel (``kernels.gelu_op``),
                optional (``cuda_graphs``) the compiled part replayed from CUDA graphs
 
     from course_lib import capstone
@@ -100,6 +101,7 @@ class RunConfig:
     fused_mlp: bool = False  # the MLP's GELU in the epilogues of its matmuls (kernels.fused_mlp); needs bias
     cuda_graphs: bool = False  # the compiled part replayed from CUDA graphs (torch.compile's "reduce-overhead" mode)
     fitted_gelu: bool = False  # the MLP's GELU through the fitted erfc (erfc.fitted_gelu): within bf16's rounding
+    kernel_gelu: bool = False  # the MLP's bias + GELU by chapter 08's kernel, a custom op (kernels.gelu_op)
     seed: int = 0
 
     @classmethod
@@ -114,7 +116,7 @@ class RunConfig:
         """The same run with every technique off: fp32, eager, default AdamW, no checkpointing, unfused loss."""
         return replace(self, bf16=False, compile=False, fused_adam=False, checkpointing=False, fused_loss=False,
                        course_adam=False, bf16_weights=False, fused_mlp=False, cuda_graphs=False,
-                       fitted_gelu=False)
+                       fitted_gelu=False, kernel_gelu=False)
 
     def model_config(self) -> models.GPTConfig:
         """The preset's GPT configuration, with ``seq_len`` if one is given."""
@@ -158,7 +160,8 @@ def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[C
 
     ``facts`` says which kernels the step uses where the configuration leaves a choice
     (``fused_adam``: torch's fused AdamW ran; ``course_adam``; ``fused_loss``; ``bf16_weights``; ``fused_mlp``;
-    ``cuda_graphs``: the compiled part was recorded into CUDA graphs, which happens on a GPU only; ``fitted_gelu``).
+    ``cuda_graphs``: the compiled part was recorded into CUDA graphs, which happens on a GPU only;
+    ``fitted_gelu``; ``kernel_gelu``).
     """
     device = device or env.DEVICE
     cfg = run.model_config()
@@ -167,8 +170,8 @@ def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[C
         checkpoint_blocks(model)
     if run.bf16_weights and not (run.bf16 and run.fused_loss):
         raise ValueError("bf16_weights needs bf16 and fused_loss (whose loss is computed in fp32)")
-    if run.fitted_gelu and run.fused_mlp:
-        raise ValueError("fitted_gelu and fused_mlp both replace the MLP's GELU: choose one")
+    if run.fitted_gelu + run.kernel_gelu + run.fused_mlp > 1:
+        raise ValueError("fitted_gelu, kernel_gelu and fused_mlp each replace the MLP's GELU: choose one")
     if run.cuda_graphs and not run.compile:
         raise ValueError("cuda_graphs needs compile: torch.compile's reduce-overhead mode records the graphs")
     # With bf16_weights (chapter 06's MasterWeights) the model itself is bf16, so are its activations,
@@ -186,6 +189,11 @@ def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[C
     if run.fitted_gelu:
         for block in cast(list[models.Block], model.blocks):
             block.mlp.activation = fitted_gelu
+    if run.kernel_gelu:  # the same parameters; fc's bias moves into the kernel
+        from course_lib.kernels.gelu_op import KernelGeluFeedForward
+
+        for block in cast(list[models.Block], model.blocks):
+            block.mlp = KernelGeluFeedForward(block.mlp)
     params: list[torch.Tensor] = list(master.params if master is not None else model.parameters())
     fused = run.fused_adam and fused_supported(device) and not run.course_adam
     opt: torch.optim.Optimizer
@@ -227,7 +235,8 @@ def training_step(run: RunConfig, device: torch.device | None = None) -> tuple[C
 
     facts = {"fused_adam": fused, "course_adam": run.course_adam, "fused_loss": run.fused_loss,
              "bf16_weights": run.bf16_weights, "fused_mlp": run.fused_mlp,
-             "cuda_graphs": run.cuda_graphs and device.type == "cuda", "fitted_gelu": run.fitted_gelu}
+             "cuda_graphs": run.cuda_graphs and device.type == "cuda", "fitted_gelu": run.fitted_gelu,
+             "kernel_gelu": run.kernel_gelu}
     return step, model, facts
 
 

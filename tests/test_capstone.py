@@ -90,6 +90,24 @@ def test_fitted_gelu_trains_like_the_exact_gelu():
         capstone.training_step(dataclasses.replace(run, fitted_gelu=True, fused_mlp=True))
 
 
+def test_kernel_gelu_trains_like_the_exact_gelu():
+    # The MLP's bias + GELU by chapter 08's kernel (kernels.gelu_op), fc's bias moved into it, in fp32:
+    # the exact GELU's losses up to the fitted erfc's error; the parameters are the model's own.
+    run = capstone.RunConfig("tiny", steps=3, batch_size=2, seq_len=16, compile=False, bf16=False, warmup=1, lr=3e-3)
+    exact = capstone.train(run, progress=False, peak=(1e12, "test"))
+    kernel = capstone.train(dataclasses.replace(run, kernel_gelu=True), progress=False, peak=(1e12, "test"))
+    assert kernel.extra["kernel_gelu"] is True and exact.extra["kernel_gelu"] is False
+    assert kernel.losses == pytest.approx(exact.losses, rel=1e-4)
+    assert kernel.losses[-1] != pytest.approx(kernel.losses[0], rel=1e-3)  # it did train
+    from course_lib.kernels.gelu_op import KernelGeluFeedForward
+
+    _, model, _ = capstone.training_step(dataclasses.replace(run, kernel_gelu=True))
+    assert all(isinstance(block.mlp, KernelGeluFeedForward) for block in model.blocks)
+    assert capstone.RunConfig(kernel_gelu=True).baseline().kernel_gelu is False
+    with pytest.raises(ValueError, match="choose one"):
+        capstone.training_step(dataclasses.replace(run, kernel_gelu=True, fitted_gelu=True))
+
+
 def test_cuda_graphs_compile_in_reduce_overhead_mode(monkeypatch):
     # The compiled part goes through torch.compile(mode="reduce-overhead"); on a CPU no graph is recorded,
     # and the run must train exactly as the same run compiled without it. Needs compile.
@@ -125,9 +143,10 @@ def test_cuda_graphs_train_like_the_compiled_run_gpu(fused_loss):
 
 
 @pytest.mark.gpu
-def test_fitted_gelu_compiles_to_what_it_computes_eagerly_gpu():
+def test_fitted_gelu_and_kernel_gelu_compile_gpu():
     # torch.compile turns the autograd.Function into its own fused kernels: the same values and
-    # gradients as eager PyTorch within a bf16 rounding, and a compiled run trains like the exact GELU's.
+    # gradients as eager PyTorch within a bf16 rounding; compiled runs with it and with the bias+GELU
+    # kernel's custom op train like the exact GELU's.
     from course_lib.erfc import fitted_gelu
 
     torch.manual_seed(0)
@@ -145,6 +164,9 @@ def test_fitted_gelu_compiles_to_what_it_computes_eagerly_gpu():
     fitted = capstone.train(dataclasses.replace(run, fitted_gelu=True), progress=False)
     assert fitted.extra["fitted_gelu"] is True
     assert fitted.losses == pytest.approx(exact.losses, rel=1e-2)
+    kernel = capstone.train(dataclasses.replace(run, kernel_gelu=True), progress=False)
+    assert kernel.extra["kernel_gelu"] is True
+    assert kernel.losses == pytest.approx(exact.losses, rel=1e-2)
 
 
 def test_bf16_weights_train_like_autocast():

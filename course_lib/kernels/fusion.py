@@ -48,6 +48,8 @@ __all__ = [
     "BIAS_GELU_TILE",
     "add",
     "bias_gelu",
+    "bias_gelu_forward",
+    "bias_gelu_backward",
     "softmax",
     "softmax_backward",
     "CROSS_ENTROPY_BLOCK",
@@ -201,7 +203,8 @@ def _bias_gelu_blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
     return block_m, block_n
 
 
-def _bias_gelu_forward(x2: Tensor, bias: Tensor, fast_erf: bool) -> Tensor:
+def bias_gelu_forward(x2: Tensor, bias: Tensor, *, fast_erf: bool = False) -> Tensor:
+    """gelu(x2 + bias) by one launch, for a contiguous 2-D ``x2`` and ``bias`` (n_cols,); ``bias_gelu``'s forward."""
     n_rows, n_cols = x2.shape
     y = torch.empty_like(x2)
     if x2.numel():
@@ -213,7 +216,8 @@ def _bias_gelu_forward(x2: Tensor, bias: Tensor, fast_erf: bool) -> Tensor:
     return y
 
 
-def _bias_gelu_backward(dy2: Tensor, x2: Tensor, bias: Tensor, fast_erf: bool) -> tuple[Tensor, Tensor]:
+def bias_gelu_backward(dy2: Tensor, x2: Tensor, bias: Tensor, *, fast_erf: bool = False) -> tuple[Tensor, Tensor]:
+    """(dx, dbias) of gelu(x2 + bias) for the incoming ``dy2``, all contiguous 2-D but ``bias``; ``bias_gelu``'s backward."""
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2)
     if x2.numel() == 0:
@@ -235,12 +239,12 @@ class _BiasGelu(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, bias)
         ctx.shape, ctx.fast_erf = x.shape, fast_erf
-        return _bias_gelu_forward(x2, bias, fast_erf).view(x.shape)
+        return bias_gelu_forward(x2, bias, fast_erf=fast_erf).view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor, None]:
         x2, bias = ctx.saved_tensors
-        dx, dbias = _bias_gelu_backward(dy.contiguous().view(x2.shape), x2, bias, ctx.fast_erf)
+        dx, dbias = bias_gelu_backward(dy.contiguous().view(x2.shape), x2, bias, fast_erf=ctx.fast_erf)
         return dx.view(ctx.shape), dbias, None
 
 
