@@ -15,7 +15,7 @@ Cases (targets in brackets; ratio > 1 means ours is better):
     adam       FlatAdam.step() over 16 x 4096x4096 fp32 vs torch.optim.Adam(fused=True), foreach and
                for-loop as context [time <= 1.1 x fused]
     matmul     bf16 4096^3 and 8192^3 vs torch.matmul (cuBLAS) [TFLOP/s ratio >= 0.8]
-    attention  flash_attention_tma (the Hopper forward, the teaching backward) for the shapes of
+    attention  flash_attention_tma (the Hopper forward and backward) for the shapes of
                cases.FULL (head dims 64 and 128, causal and not, bf16 and fp16), forward and backward,
                vs the fastest of SDPA's flash (FA2) and cuDNN backends and FlexAttention; the teaching
                kernels as context [forward ratio >= 0.9, backward >= 0.85]

@@ -13,7 +13,7 @@ for the backward pass, which merely scales them by the incoming gradient.
 Memory: one chunk of logits (at most ``LOGITS_CHUNK_BYTES`` = 1 GiB by default) plus the two
 gradients (the size of ``h``, and of W in fp32), instead of several n x vocab tensors. Time: the
 same three GEMMs as the unfused head (6 n d vocab FLOPs) and, for the loss, two reads of each
-chunk's logits and one write (the second read from L2 where the kernel's grid keeps it there). The
+chunk's logits and one write, in one launch. The
 backward GEMMs run in the forward pass (skipped under ``torch.no_grad()`` or for inputs that need no
 gradient); the result is differentiable once, not twice.
 

@@ -282,18 +282,18 @@ def test_hopper_backward_wide_blocks_scale_and_checks_interpreter():
 
 @pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
 def test_tma_backward_switch_picks_the_backward(monkeypatch):
-    # flash_attention_tma: the teaching backward by default, the Hopper one with tma_backward=True;
+    # flash_attention_tma: the Hopper backward by default, the teaching one with tma_backward=False;
     # a stride-0 dO (the gradient of out.sum()) goes through either.
     q, k, v = (t.requires_grad_(True) for t in _qkv((1, 2, 32, 16)))
     want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(), (q, k, v))
     real = fh.flash_attention_backward_tma
     monkeypatch.setattr(fh, "flash_attention_backward_tma", lambda *a, **kw: pytest.fail("Hopper backward called"))
-    for g, w in zip(torch.autograd.grad(fh.flash_attention_tma(q, k, v, True).sum(), (q, k, v)), want):
+    for g, w in zip(torch.autograd.grad(fh.flash_attention_tma(q, k, v, True, tma_backward=False).sum(), (q, k, v)),
+                    want):
         torch.testing.assert_close(g, w, rtol=2e-4, atol=2e-4)
     monkeypatch.setattr(fh, "flash_attention_backward_tma", real)
     _forbid(monkeypatch, "flash_attention_backward")
-    for g, w in zip(torch.autograd.grad(fh.flash_attention_tma(q, k, v, True, tma_backward=True).sum(), (q, k, v)),
-                    want):
+    for g, w in zip(torch.autograd.grad(fh.flash_attention_tma(q, k, v, True).sum(), (q, k, v)), want):
         torch.testing.assert_close(g, w, rtol=2e-4, atol=2e-4)
 
 
