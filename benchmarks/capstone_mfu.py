@@ -86,12 +86,14 @@ def _row(label: str, run: capstone.RunConfig, device: torch.device, peak: tuple[
 
 
 def measure(device: torch.device, quick: bool, steps: int = 20,
-            on_row: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
-    """Every row of ``ROWS`` on ``device`` (GPT-2 small, or with ``quick`` the tiny GPT), with the run's facts.
+            on_row: Callable[[dict[str, Any]], Any] | None = None, rows: list[int] | None = None) -> dict[str, Any]:
+    """The rows of ``ROWS`` (all, or those numbered in ``rows``) on ``device`` (GPT-2 small, or with ``quick``
+    the tiny GPT), with the run's facts.
 
     ``on_row`` receives the record so far after each row (``complete`` false until the last), so that a
     run cut short still leaves the rows it measured.
     """
+    chosen = [ROWS[i] for i in (range(len(ROWS)) if rows is None else rows)]
     run = capstone.RunConfig.for_this_machine(steps=min(steps, 3) if quick else steps)
     if quick:
         run = replace(run, preset="tiny", batch_size=4, warmup=1)
@@ -110,14 +112,15 @@ def measure(device: torch.device, quick: bool, steps: int = 20,
     matmul = matmul_peak(device, [(8192, 8192, 8192), (tokens, cfg.d_ff, cfg.d_model)] if device.type == "cuda"
                          else [(256, 256, 256)], ms)
     peak = device_peak_flops(device)
-    command = "python -m benchmarks.capstone_mfu" + (" --quick" if quick else "")
+    command = ("python -m benchmarks.capstone_mfu" + (" --quick" if quick else "")
+               + ("" if rows is None else " --rows " + " ".join(map(str, rows))))
     record = {**run_facts(command), "peak_flops": peak[0], "peak_source": peak[1], "matmul_peak": matmul,
               "complete": False, "rows": []}
-    for label, fields in ROWS:
+    for label, fields in chosen:
         changed = replace(run, **{**fields, "batch_size": run.batch_size * fields.get("batch_size", 1)})
         row = _row(label, changed, device, peak, matmul["flops"])
         record["rows"].append(row)
-        record["complete"] = len(record["rows"]) == len(ROWS)
+        record["complete"] = len(record["rows"]) == len(chosen)
         print(f"{label:52} {row['tokens_per_s']:12,.0f} tokens/s  MFU {row['mfu']:.1%} "
               f"(vs measured matmul {row['mfu_vs_matmul']:.1%})", flush=True)
         if on_row is not None:
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/capstone_mfu_<gpu>.json")
     parser.add_argument("--quick", action="store_true", help="the tiny GPT, three timed steps: a smoke run")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rows", type=int, nargs="+", choices=range(len(ROWS)), metavar="N",
+                        help="measure only these rows of ROWS (numbered from 0); default: all")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.quick:
         parser.error("needs a CUDA GPU (a CPU run is a smoke run: add --quick)")
@@ -142,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     def write(record: dict[str, Any]) -> None:
         out.write_text(json.dumps(record, indent=1) + "\n")
 
-    measure(device, args.quick, args.steps, on_row=write)  # rewritten after every row
+    measure(device, args.quick, args.steps, on_row=write, rows=args.rows)  # rewritten after every row
     print(f"wrote {out}")
     return 0
 

@@ -224,6 +224,13 @@ def test_mfu_record_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
     base = record["rows"][0]["batch_size"]
     assert [row["batch_size"] for row in record["rows"]] == [base * f.get("batch_size", 1) for _, f in bench.ROWS]
 
+    bench.main(["--quick", "--out", str(out), "--rows", "3", "0"])  # a chosen few, in the order asked
+    record = json.loads(out.read_text())
+    assert [row["label"] for row in record["rows"]] == [bench.ROWS[3][0], bench.ROWS[0][0]]
+    assert record["complete"] is True and record["command"].endswith("--rows 3 0")
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--out", str(out), "--rows", str(len(bench.ROWS))])
+
 
 def test_checkpointed_run_same_losses():
     run = capstone.RunConfig("tiny", steps=2, batch_size=2, seq_len=16, compile=False, bf16=False, warmup=1)
