@@ -56,56 +56,34 @@ def test_course_adam_trains_as_adamw():
     assert flat.losses[-1] != pytest.approx(flat.losses[0], rel=1e-3)  # it did train
 
 
-def test_fused_mlp_trains_like_the_unfused_mlp():
-    # The MLP's GELU in its matmuls' epilogues (kernels.fused_mlp), in fp32: the same losses as the
-    # unfused model up to the fitted erfc's error, with the same parameters (the MLP modules are shared).
-    run = capstone.RunConfig("tiny", steps=3, batch_size=2, seq_len=16, compile=False, bf16=False, warmup=1, lr=3e-3)
-    plain = capstone.train(run, progress=False, peak=(1e12, "test"))
-    fused = capstone.train(dataclasses.replace(run, fused_mlp=True), progress=False, peak=(1e12, "test"))
-    assert fused.extra["fused_mlp"] is True and plain.extra["fused_mlp"] is False
-    assert fused.losses == pytest.approx(plain.losses, rel=1e-3)
-    assert fused.losses[-1] != pytest.approx(fused.losses[0], rel=1e-3)  # it did train
-    from course_lib.kernels.fused_mlp import FusedFeedForward
-
-    _, model, _ = capstone.training_step(dataclasses.replace(run, fused_mlp=True))
-    assert all(isinstance(block.mlp, FusedFeedForward) for block in model.blocks)
-    assert capstone.RunConfig(fused_mlp=True).baseline().fused_mlp is False
-
-
-def test_fitted_gelu_trains_like_the_exact_gelu():
-    # The MLP's GELU through the fitted erfc (erfc.fitted_gelu), in fp32: the same losses as the exact
-    # GELU up to the fit's error, every block's MLP switched, and not both GELU replacements at once.
-    run = capstone.RunConfig("tiny", steps=3, batch_size=2, seq_len=16, compile=False, bf16=False, warmup=1, lr=3e-3)
-    exact = capstone.train(run, progress=False, peak=(1e12, "test"))
-    fitted = capstone.train(dataclasses.replace(run, fitted_gelu=True), progress=False, peak=(1e12, "test"))
-    assert fitted.extra["fitted_gelu"] is True and exact.extra["fitted_gelu"] is False
-    assert fitted.losses == pytest.approx(exact.losses, rel=1e-4)
-    assert fitted.losses[-1] != pytest.approx(fitted.losses[0], rel=1e-3)  # it did train
+def _mlp_is(flag):
+    """What every block's MLP must be once ``flag`` replaces its GELU."""
     from course_lib.erfc import fitted_gelu
-
-    _, model, _ = capstone.training_step(dataclasses.replace(run, fitted_gelu=True))
-    assert all(block.mlp.activation is fitted_gelu for block in model.blocks)
-    assert capstone.RunConfig(fitted_gelu=True).baseline().fitted_gelu is False
-    with pytest.raises(ValueError, match="choose one"):
-        capstone.training_step(dataclasses.replace(run, fitted_gelu=True, fused_mlp=True))
-
-
-def test_kernel_gelu_trains_like_the_exact_gelu():
-    # The MLP's bias + GELU by chapter 08's kernel (kernels.gelu_op), fc's bias moved into it, in fp32:
-    # the exact GELU's losses up to the fitted erfc's error; the parameters are the model's own.
-    run = capstone.RunConfig("tiny", steps=3, batch_size=2, seq_len=16, compile=False, bf16=False, warmup=1, lr=3e-3)
-    exact = capstone.train(run, progress=False, peak=(1e12, "test"))
-    kernel = capstone.train(dataclasses.replace(run, kernel_gelu=True), progress=False, peak=(1e12, "test"))
-    assert kernel.extra["kernel_gelu"] is True and exact.extra["kernel_gelu"] is False
-    assert kernel.losses == pytest.approx(exact.losses, rel=1e-4)
-    assert kernel.losses[-1] != pytest.approx(kernel.losses[0], rel=1e-3)  # it did train
+    from course_lib.kernels.fused_mlp import FusedFeedForward
     from course_lib.kernels.gelu_op import KernelGeluFeedForward
 
-    _, model, _ = capstone.training_step(dataclasses.replace(run, kernel_gelu=True))
-    assert all(isinstance(block.mlp, KernelGeluFeedForward) for block in model.blocks)
-    assert capstone.RunConfig(kernel_gelu=True).baseline().kernel_gelu is False
+    return {"fused_mlp": lambda mlp: isinstance(mlp, FusedFeedForward),  # GELU in the matmuls' epilogues
+            "fitted_gelu": lambda mlp: mlp.activation is fitted_gelu,  # the fitted erfc in PyTorch ops
+            "kernel_gelu": lambda mlp: isinstance(mlp, KernelGeluFeedForward)}[flag]  # chapter 08's kernel, custom op
+
+
+@pytest.mark.parametrize("flag, rel", [("fused_mlp", 1e-3), ("fitted_gelu", 1e-4), ("kernel_gelu", 1e-4)])
+def test_gelu_replacements_train_like_the_exact_gelu(flag, rel):
+    # Each way of replacing the MLP's GELU, in fp32: the exact GELU's losses up to the fitted erfc's
+    # error (and, fused into a matmul, a different order of sums), the model's own parameters, every
+    # block switched, off in the baseline, and no two replacements at once.
+    run = capstone.RunConfig("tiny", steps=3, batch_size=2, seq_len=16, compile=False, bf16=False, warmup=1, lr=3e-3)
+    exact = capstone.train(run, progress=False, peak=(1e12, "test"))
+    replaced = capstone.train(dataclasses.replace(run, **{flag: True}), progress=False, peak=(1e12, "test"))
+    assert replaced.extra[flag] is True and exact.extra[flag] is False
+    assert replaced.losses == pytest.approx(exact.losses, rel=rel)
+    assert replaced.losses[-1] != pytest.approx(replaced.losses[0], rel=1e-3)  # it did train
+    _, model, _ = capstone.training_step(dataclasses.replace(run, **{flag: True}))
+    assert all(_mlp_is(flag)(block.mlp) for block in model.blocks)
+    assert getattr(capstone.RunConfig(**{flag: True}).baseline(), flag) is False
+    other = "fitted_gelu" if flag != "fitted_gelu" else "kernel_gelu"
     with pytest.raises(ValueError, match="choose one"):
-        capstone.training_step(dataclasses.replace(run, kernel_gelu=True, fitted_gelu=True))
+        capstone.training_step(dataclasses.replace(run, **{flag: True, other: True}))
 
 
 def test_cuda_graphs_compile_in_reduce_overhead_mode(monkeypatch):
