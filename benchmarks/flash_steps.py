@@ -212,8 +212,9 @@ def _hopper_backward_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dou
 def _hopper_backward_rows() -> list[tuple[str, dict[str, Any]]]:
     """(label, options of flash_attention_backward_tma) in the order the chapter shows them."""
     first = fh.TMA_BACKWARD_CONFIGS[0]
-    return ([(f"Hopper, {_tile(first)}, 2 launches", {"config": first, "one_launch": False})]
-            + [(f"Hopper, {_tile(c)}", {"config": c}) for c in fh.TMA_BACKWARD_CONFIGS]
+    return ([(f"Hopper, {_tile(first)}, 2 launches", {"config": first, "schedule": "two launches"}),
+             (f"Hopper, {_tile(first)}, 1 launch, kinds in halves", {"config": first, "schedule": "halves"})]
+            + [(f"Hopper, {_tile(c)}, 1 launch, kinds paired", {"config": c}) for c in fh.TMA_BACKWARD_CONFIGS]
             + [("Hopper, autotuned", {})])
 
 

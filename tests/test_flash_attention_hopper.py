@@ -255,12 +255,12 @@ def _hopper_backward_against_sdpa(shape, dtype, causal, device, tol, scale=None,
 
 
 @pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
-@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize("schedule", list(fh.SCHEDULES))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(1, 2, 64, 16), (2, 3, 48, 32)])
-def test_hopper_backward_interpreter(shape, causal, one_launch):
-    # Three heads and three blocks a head: each program must find its own head's rows and its own block.
-    _hopper_backward_against_sdpa(shape, torch.float32, causal, "cpu", 2e-4, one_launch=one_launch)
+def test_hopper_backward_interpreter(shape, causal, schedule):
+    # Three heads and three blocks a head: each program, in each order, must find its own head's rows and block.
+    _hopper_backward_against_sdpa(shape, torch.float32, causal, "cpu", 2e-4, schedule=schedule)
 
 
 @pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
@@ -273,6 +273,8 @@ def test_hopper_backward_wide_blocks_scale_and_checks_interpreter():
         fh.flash_attention_backward_tma(q, k, v, out, lse, out, config=(48, 16, 1, 1))
     with pytest.raises(ValueError, match="multiple of SMALL"):
         fh.flash_attention_backward_tma(q, k, v, out, lse, out, config=(16, 32, 1, 1))
+    with pytest.raises(ValueError, match="schedule must be one of 'paired'"):
+        fh.flash_attention_backward_tma(q, k, v, out, lse, out, schedule="one launch")
     with pytest.raises(ValueError, match="lse must be float32"):
         fh.flash_attention_backward_tma(q, k, v, out, lse[:, :1], out)
     with pytest.raises(ValueError, match="TMA backward needs"):
@@ -298,16 +300,16 @@ def test_tma_backward_switch_picks_the_backward(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize("schedule", list(fh.SCHEDULES))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype, n, d", [(torch.bfloat16, 1024, 128), (torch.bfloat16, 4096, 128),
                                          (torch.float16, 2048, 64), (torch.bfloat16, 256, 32)])
-def test_hopper_backward_gpu(dtype, n, d, causal, one_launch):
+def test_hopper_backward_gpu(dtype, n, d, causal, schedule):
     if not _hopper():
         pytest.skip("TMA needs sm90+: this GPU runs the teaching backward, tested in test_flash_attention.py")
     shape = (2, 3, n, d) if n < 4096 else (1, 2, n, d)
     _hopper_backward_against_sdpa(shape, dtype, causal, "cuda", 4e-2 if dtype == torch.bfloat16 else 2e-2,
-                                  one_launch=one_launch)
+                                  schedule=schedule)
 
 
 @pytest.mark.gpu
@@ -319,7 +321,7 @@ def test_hopper_backward_configs_gpu(config, causal):
         pytest.skip("TMA needs sm90+")
     _hopper_backward_against_sdpa((2, 4, 1024, 128), torch.bfloat16, causal, "cuda", 4e-2, config=config)
     _hopper_backward_against_sdpa((2, 4, 1024, 128), torch.bfloat16, causal, "cuda", 4e-2, config=config,
-                                  one_launch=False)
+                                  schedule="two launches")
 
 
 @pytest.mark.gpu

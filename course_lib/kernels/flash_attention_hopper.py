@@ -75,6 +75,7 @@ __all__ = [
     "tma_applies",
     "flash_attention_forward_tma",
     "TMA_BACKWARD_CONFIGS",
+    "SCHEDULES",
     "tma_backward_kernel",
     "flash_attention_backward_tma",
     "FlashAttentionTMA",
@@ -282,6 +283,9 @@ def flash_attention_forward_tma(
 # A third, (128, 32, 4 warps, 4 stages), ran at under a third of the first's rate on an H100 and was dropped.
 TMA_BACKWARD_CONFIGS: list[tuple[int, int, int, int]] = [(128, 64, 8, 3), (64, 64, 4, 3)]
 
+# The backward's schedules: the ``programs`` value of each launch (see tma_backward_kernel).
+SCHEDULES: dict[str, tuple[int, ...]] = {"paired": (0,), "halves": (3,), "two launches": (1, 2)}
+
 
 @triton.jit
 def _tma_dkdv_blocks(dk, dv, k, v, desc_q, desc_do, LSE, DELTA, row0, offs_n, lo, hi, qk_scale,
@@ -322,16 +326,20 @@ def tma_backward_kernel(desc_q_small, desc_do_small, desc_k_big, desc_v_big, des
                         desc_k_small, desc_v_small, desc_dq, desc_dk, desc_dv, LSE, DELTA, qk_scale, sm_scale, N,
                         programs, HEAD_DIM: tl.constexpr, BIG: tl.constexpr, SMALL: tl.constexpr,
                         CAUSAL: tl.constexpr):
-    """Program p of a head: p < N / BIG, dK and dV of key block p; else dQ of a query block.
+    """Program p of a head: dK and dV of a key block, or dQ of a query block, as ``programs`` orders them.
 
-    ``programs`` says which kinds the grid holds: 0 both (2 N / BIG programs a head), 1 the dK/dV ones,
-    2 the dQ ones (N / BIG each).
+    ``programs`` says which kinds the grid holds and in what order: 0 both (2 N / BIG programs a head),
+    paired: program 2j takes dK/dV block j, 2j + 1 dQ block j; 3 both in halves, the dK/dV ones first;
+    1 the dK/dV ones, 2 the dQ ones (N / BIG each).
     Descriptors view (B*H*N, D) matrices; ``_big`` ones move BIG rows, ``_small`` ones SMALL. LSE (natural log)
-    and DELTA = rowsum(dO * O) are fp32, one per row. Causal: the most work first in each kind.
+    and DELTA = rowsum(dO * O) are fp32, one per row. Causal: block j of each kind is the j-th longest, so a
+    head's programs run longest first when paired, and twice over (once per half) when not.
     """
     blocks = N // BIG
     pid = tl.program_id(0)
-    if programs == 2:
+    if programs == 0:
+        pid = pid // 2 + (pid % 2) * blocks
+    elif programs == 2:
         pid += blocks
     row0 = tl.program_id(1) * N
     if pid < blocks:
@@ -391,13 +399,17 @@ _tma_bwd = triton.autotune(
 def flash_attention_backward_tma(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
     causal: bool = False, scale: float | None = None, config: tuple[int, int, int, int] | None = None,
-    one_launch: bool = True,
+    schedule: str = "paired",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) in the inputs' dtypes by the Hopper backward; raises where ``tma_applies`` is false.
 
     ``config`` (BIG, SMALL, num_warps, num_stages) launches that one instead of the autotuned ones
-    (16 x 16 under the interpreter); ``one_launch=False`` runs the dK/dV programs, then the dQ ones.
+    (16 x 16 under the interpreter). ``schedule``: "paired" (one launch, a head's dK/dV and dQ programs
+    alternating, longest first), "halves" (one launch, the dK/dV programs, then the dQ ones) or
+    "two launches" (the dK/dV programs in one, the dQ ones in the next).
     """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, not {schedule!r}")
     config, scale = _checked_launch(q, k, v, config, scale, "backward", ("BIG", "SMALL"))
     b, h, n, d = q.shape
     qm, km, vm, om, dom = (_rows_view(t) for t in (q, k, v, out, dout))
@@ -411,8 +423,8 @@ def flash_attention_backward_tma(
     descs = [TensorDescriptor.from_tensor(t, [small if name.endswith("_small") else big, d])
              for name, t in zip(_BWD_DESCRIPTORS, sources)]
     args = (*descs, lse.contiguous(), delta, scale * teaching.LOG2E, scale, n)
-    for programs in (0,) if one_launch else (1, 2):
-        share = 2 if programs == 0 else 1  # key blocks and query blocks, or one of the two
+    for programs in SCHEDULES[schedule]:
+        share = 1 if programs in (1, 2) else 2  # one of the two kinds, or key blocks and query blocks
         if config is None:
             _tma_bwd[lambda m, share=share: (share * n // m["BIG"], b * h)](
                 *args, programs, HEAD_DIM=d, CAUSAL=bool(causal))
