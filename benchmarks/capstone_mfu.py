@@ -117,6 +117,9 @@ def measure(device: torch.device, quick: bool, steps: int = 20,
     record = {**run_facts(command), "peak_flops": peak[0], "peak_source": peak[1], "matmul_peak": matmul,
               "complete": False, "rows": []}
     for label, fields in chosen:
+        # Each row compiles its own model: without a reset their guards pile up on the same code, and past
+        # dynamo's recompile limit (8) a later row would silently run its blocks eagerly.
+        torch._dynamo.reset()
         changed = replace(run, **{**fields, "batch_size": run.batch_size * fields.get("batch_size", 1)})
         row = _row(label, changed, device, peak, matmul["flops"])
         record["rows"].append(row)
