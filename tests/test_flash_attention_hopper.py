@@ -106,6 +106,15 @@ def test_tma_applies_rules():
         fh.flash_attention_tma(q, k, v)
 
 
+def test_autotuner_tries_one_warpgroup_tiles_only_at_small_head_dims():
+    # In 4 warps a 128 x 128 fp32 accumulator of head_dim 128 spills: such configs would only slow autotuning.
+    configs = fh._tma_fwd.configs
+    small = fh._fitting_configs(configs, {}, HEAD_DIM=64)
+    large = fh._fitting_configs(configs, {}, HEAD_DIM=128)
+    assert len(small) == len(fh.TMA_CONFIGS) and any(c.num_warps == 4 for c in small)
+    assert large and all(c.num_warps == 8 for c in large)
+
+
 # ---------------------------------------------------------------- the steps benchmark, on stand-ins
 
 
@@ -228,12 +237,13 @@ def test_fixed_config_and_its_checks_interpreter():
 @pytest.mark.parametrize("config, switches", [
     ((128, 64, 8, 3), {}), ((128, 128, 8, 3), {"warp_specialize": True}), ((128, 128, 8, 3), {"lazy_rescale": True}),
     ((128, 128, 8, 3), {"poly_exp2": 1}), ((128, 128, 8, 3), {"poly_exp2": 2}),
-    ((128, 128, 8, 3), {"lazy_rescale": True, "poly_exp2": 1})])
+    ((128, 128, 8, 3), {"lazy_rescale": True, "poly_exp2": 1}), ((128, 128, 4, 3), {})])
 def test_fixed_configs_gpu(config, switches, causal):
-    # The launches the benchmark measures one by one: warp specialization (it compiles at 8 warps), FA4's tricks.
+    # The launches the benchmark measures one by one: warp specialization (it compiles at 8 warps), FA4's tricks;
+    # and the one-warpgroup tile the autotuner tries at head_dim 64 only.
     if not _hopper():
         pytest.skip("TMA needs sm90+: this GPU runs the teaching kernels, tested in test_flash_attention.py")
-    q, k, v = _qkv((2, 4, 1024, 128), torch.bfloat16, "cuda")
+    q, k, v = _qkv((2, 4, 1024, 64 if config[2] == 4 else 128), torch.bfloat16, "cuda")
     out, lse = fh.flash_attention_forward_tma(q, k, v, causal, config=config, **switches)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     torch.testing.assert_close(out.float(), ref, rtol=4e-2, atol=4e-2)

@@ -37,12 +37,12 @@ blog post that reverse-engineered it), each measured as a step of ``benchmarks.f
 The backward needs only O and the logsumexp, which this forward writes in the teaching kernel's
 layout, so either backward fits it. By default it is the Hopper backward (``flash_attention_backward_tma``):
 the teaching module's products, its tiles fed by TMA, and the dK/dV programs and the dQ programs in
-one launch (the first ``N / BIG`` programs of a head take a key block each, the rest a query block
-each), so the two kinds of work share the GPU instead of running one after the other;
-``one_launch=False`` launches them in turn, to separate the two changes. In the H100 record of
-``benchmarks.flash_steps`` (B4 H32 N4096 D128 bf16, through autograd) it ran 8% ahead of the three
-teaching kernels without the mask and 2% with it; ``tma_backward=False`` selects the teaching
-backward (``flash_attention.flash_attention_backward``).
+one launch (a head's key blocks and query blocks paired, longest first; ``schedule`` picks another
+order or two launches), so the two kinds of work share the GPU instead of running one after the
+other, with four tiles in flight per loop rather than three: under the causal mask the fourth
+stage is the step that pays (``TMA_BACKWARD_CONFIGS``). ``benchmarks.flash_steps`` times each of
+these choices; ``tma_backward=False`` selects the teaching backward
+(``flash_attention.flash_attention_backward``).
 
     from course_lib.kernels.flash_attention_hopper import flash_attention_tma, tma_applies
     out = flash_attention_tma(q, k, v, causal=True)   # the TMA forward where it applies, else the teaching one
@@ -84,7 +84,9 @@ __all__ = [
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), 16-bit inputs. On the H200 at B4 H32 N4096 D128 bf16
 # the first was the fastest forward (benchmarks.flash_steps); the second is the teaching kernel's tile.
-TMA_CONFIGS: list[tuple[int, int, int, int]] = [(128, 128, 8, 3), (128, 64, 8, 3)]
+# The third, one warpgroup, is for head_dim <= 64 only (``_fitting_configs``): at B4 H32 N8192 D64 on an
+# H100 it ran 5% ahead of the other two without the mask and 6% with it; at 128 its accumulator spills.
+TMA_CONFIGS: list[tuple[int, int, int, int]] = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3)]
 _BLOCK_ROWS = 128  # the largest BLOCK_M / BLOCK_N above: N must be a multiple of it on a GPU
 _MASKED = tl.constexpr(-1.0e30)  # finite, as in the teaching kernel: a fully masked row stays NaN-free
 _LOG2E = tl.constexpr(teaching.LOG2E)
@@ -199,12 +201,18 @@ def _set_block_shapes(nargs: dict[str, Any]) -> None:
         nargs[desc].block_shape = [nargs[block], nargs["HEAD_DIM"]]
 
 
+def _fitting_configs(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
+    """Autotuner prune: 4-warp configs only where head_dim <= 64 (a 128-wide fp32 accumulator spills in 4 warps)."""
+    return [c for c in configs if c.num_warps >= 8 or kwargs["HEAD_DIM"] <= 64]
+
+
 # Autotuned on a GPU (each config's block shapes set on the descriptors by the pre-hook); the
 # interpreter launches one fixed config instead (see flash_attention_forward_tma).
 _tma_fwd = triton.autotune(
     [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=_set_block_shapes)
      for m, n, w, s in TMA_CONFIGS],
     key=["N", "HEAD_DIM", "CAUSAL", "LAZY_RESCALE", "POLY_EXP2"],
+    prune_configs_by={"early_config_prune": _fitting_configs},
 )(tma_forward_kernel)
 
 
@@ -279,9 +287,12 @@ def flash_attention_forward_tma(
 
 
 # (BIG, SMALL, num_warps, num_stages), 16-bit inputs: a dK/dV program keeps BIG keys and streams SMALL query rows past
-# them, a dQ program the mirror image. The first is FlexAttention's default on sm90 at head_dim <= 128 (torch 2.11).
-# A third, (128, 32, 4 warps, 4 stages), ran at under a third of the first's rate on an H100 and was dropped.
-TMA_BACKWARD_CONFIGS: list[tuple[int, int, int, int]] = [(128, 64, 8, 3), (64, 64, 4, 3)]
+# them, a dQ program the mirror image. The second is FlexAttention's default on sm90 at head_dim <= 128 (torch 2.11);
+# the first is the same tile with a fourth stage in flight. On an H100 at B4 H32 N4096 D128 bf16 (a probe of the
+# backward's parts, 2026-12-06) the fourth stage changed nothing without the mask and, under it, made the dQ programs
+# 19% faster and the whole backward 17%.
+# (128, 32, 4 warps, 4 stages) ran at under a third of the 3-stage tile's rate on an H100 and was dropped.
+TMA_BACKWARD_CONFIGS: list[tuple[int, int, int, int]] = [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3)]
 
 # The backward's schedules: the ``programs`` value of each launch (see tma_backward_kernel).
 SCHEDULES: dict[str, tuple[int, ...]] = {"paired": (0,), "halves": (3,), "two launches": (1, 2)}
