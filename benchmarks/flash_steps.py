@@ -5,7 +5,7 @@
 writes ``benchmarks/results/flash_steps_<gpu>.json`` (``-quick`` with ``--quick``), which the
 chapter renders with ``course_lib.support.records.load_record``. One shape (B4 H32 N4096 D128,
 bf16; ``--quick``: B1 H4 N1024), without and with the causal mask, forward TFLOP/s (4 B H N^2 D,
-halved when causal) by the median of ``triton.testing.do_bench``, in four groups:
+halved when causal) by the median of ``triton.testing.do_bench``, in five groups:
 
 - ``reference``: SDPA pinned to its FlashAttention-2 backend and to cuDNN's (the fastest on Hopper);
 - ``step``: the teaching kernel at the chapter's fixed launch (``launch_config``), then autotuned;
@@ -20,10 +20,13 @@ halved when causal) by the median of ``triton.testing.do_bench``, in four groups
   as 2.5 forwards; then the Hopper backward (``flash_attention_backward_tma``) called directly,
   the dK/dV programs and the dQ programs launched in turn, then in one launch at each of its
   configurations, then autotuned, and autotuned through autograd (``flash_attention_tma(...,
-  tma_backward=True)``) as training calls it.
+  tma_backward=True)``) as training calls it;
+- ``backward parts``: the Hopper backward's dK/dV programs alone and its dQ programs alone, at
+  four and at three pipeline stages, each rate counted by the products that kind performs (4 and 3
+  of the 7), not by the convention's 2.5 forwards: which kind a change speeds up.
 
-Every row that computes attention is checked against the FA2 backend's output (or gradients)
-before it is timed; a row that fails to compile or to match is recorded with its error.
+Every row that computes attention (all but the parts) is checked against the FA2 backend's output
+(or gradients) before it is timed; a row that fails to compile or to match is recorded with its error.
 """
 
 from __future__ import annotations
@@ -218,6 +221,23 @@ def _hopper_backward_rows() -> list[tuple[str, dict[str, Any]]]:
             + [("Hopper, autotuned", {})])
 
 
+def _part_rows() -> list[tuple[str, int, tuple[int, int, int, int], tuple[int]]]:
+    """(label, N x N x d products performed, tile, launches): each kind of Hopper backward program launched alone,
+    at the first two backward tiles (they differ in the pipeline's stages only)."""
+    return [(f"{kind} programs alone, {_tile(tile)} ({products} products)", products, tile, launches)
+            for tile in fh.TMA_BACKWARD_CONFIGS[:2]
+            for kind, products, launches in (("dK/dV", 4, (1,)), ("dQ", 3, (2,)))]
+
+
+def _part_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool,
+               tile: tuple[int, int, int, int], launches: tuple[int]) -> Case:
+    """One kind of the Hopper backward's programs alone (timed only: the other kind's gradients are not written)."""
+    def build() -> tuple[Callable[[], Any], None]:
+        out, lse = fh.flash_attention_forward_tma(q, k, v, causal)
+        return (lambda: fh._backward_launches(q, k, v, out, lse, dout, causal, None, tile, launches)), None
+    return build
+
+
 def _tile(config: tuple[int, int, int, int]) -> str:
     big, small, warps, stages = config
     return f"{big}x{small}, {warps} warps, {stages} stages"
@@ -266,6 +286,9 @@ def steps(config: dict[str, Any], ms: Ms, device: str = "cuda", dtype: torch.dty
         rows.append(_row("backward", "Hopper, autotuned, through autograd", causal, 2.5 * flops,
                          _backward_case(partial(fh.flash_attention_tma, tma_backward=True), leaves, dout, causal,
                                         want_grads), ms))
+        for label, products, tile, launches in _part_rows():
+            rows.append(_row("backward parts", label, causal, products * flops / 2,
+                             _part_case(q, k, v, dout, causal, tile, launches), ms))
     gemm = torch.randn(8192, 8192, device=device, dtype=dtype) if device == "cuda" else torch.randn(64, 64)
     matmul_tflops = 2.0 * gemm.shape[0] ** 3 / ms(lambda: gemm @ gemm) / 1e9
     return {"batch": b, "heads": h, "seq": n, "head_dim": d, "dtype": str(dtype).removeprefix("torch."),

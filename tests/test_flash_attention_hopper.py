@@ -144,7 +144,7 @@ def test_steps_benchmark_records_rates_and_errors():
 
     record = fs.steps({"batch": 1, "heads": 2, "seq": 32, "head_dim": 16}, ms, device="cpu", dtype=torch.float32)
     rows = {(r["group"], r["label"], r["causal"]): r for r in record["rows"]}
-    assert {g for g, _, _ in rows} == {"reference", "step", "ceiling", "backward"}
+    assert {g for g, _, _ in rows} == {"reference", "step", "ceiling", "backward", "backward parts"}
     assert not any(g == "ceiling" and causal for g, _, causal in rows)  # the ceilings are non-causal only
     ok = rows[("step", "TMA, autotuned (flash_attention_tma)", True)]
     assert ok["error"] is None and ok["tflops"] == pytest.approx(4 * 2 * 32 * 32 * 16 / 2 / 0.5e-3 / 1e12)
@@ -154,6 +154,8 @@ def test_steps_benchmark_records_rates_and_errors():
     assert "backend" in rows[("reference", "SDPA cuDNN", False)]["error"]
     assert "must divide seq=32" in rows[("step", "TMA, 128x128, 8 warps, 3 stages", False)]["error"]
     assert "must divide seq=32" in rows[("ceiling", "+ exp2: the full online softmax", False)]["error"]
+    parts = [r for r in record["rows"] if r["group"] == "backward parts"]
+    assert len(parts) == 8 and all("must divide seq=32" in r["error"] for r in parts)  # 2 kinds x 2 tiles x 2 masks
     assert record["matmul_tflops"] > 0 and len(calls) == sum(r["error"] is None for r in record["rows"]) + 1
 
 
@@ -271,6 +273,20 @@ def _hopper_backward_against_sdpa(shape, dtype, causal, device, tol, scale=None,
 def test_hopper_backward_interpreter(shape, causal, schedule):
     # Three heads and three blocks a head: each program, in each order, must find its own head's rows and block.
     _hopper_backward_against_sdpa(shape, torch.float32, causal, "cpu", 2e-4, schedule=schedule)
+
+
+@pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
+@pytest.mark.parametrize("causal", [False, True])
+def test_each_kind_of_backward_program_alone_writes_its_own_gradients(causal):
+    # The benchmark times the dK/dV programs (launch 1) and the dQ programs (launch 2) alone: each must do its whole job.
+    q, k, v = _qkv((1, 2, 64, 16))
+    dout = torch.randn_like(q)
+    out, lse = fh.flash_attention_forward_tma(q, k, v, causal)
+    dq, dk, dv = fh.flash_attention_backward_tma(q, k, v, out, lse, dout, causal)
+    _, dk1, dv1 = fh._backward_launches(q, k, v, out, lse, dout, causal, None, None, (1,))
+    dq2, _, _ = fh._backward_launches(q, k, v, out, lse, dout, causal, None, None, (2,))
+    for got, want in ((dk1, dk), (dv1, dv), (dq2, dq)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")

@@ -421,6 +421,15 @@ def flash_attention_backward_tma(
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, not {schedule!r}")
+    return _backward_launches(q, k, v, out, lse, dout, causal, scale, config, SCHEDULES[schedule])
+
+
+def _backward_launches(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+    causal: bool, scale: float | None, config: tuple[int, int, int, int] | None, launches: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward as ``launches`` (``programs`` values) say; ``(1,)`` or ``(2,)`` alone, which
+    ``benchmarks.flash_steps`` times, leave the other kind's gradients unwritten."""
     config, scale = _checked_launch(q, k, v, config, scale, "backward", ("BIG", "SMALL"))
     b, h, n, d = q.shape
     qm, km, vm, om, dom = (_rows_view(t) for t in (q, k, v, out, dout))
@@ -434,7 +443,7 @@ def flash_attention_backward_tma(
     descs = [TensorDescriptor.from_tensor(t, [small if name.endswith("_small") else big, d])
              for name, t in zip(_BWD_DESCRIPTORS, sources)]
     args = (*descs, lse.contiguous(), delta, scale * teaching.LOG2E, scale, n)
-    for programs in SCHEDULES[schedule]:
+    for programs in launches:
         share = 1 if programs in (1, 2) else 2  # one of the two kinds, or key blocks and query blocks
         if config is None:
             _tma_bwd[lambda m, share=share: (share * n // m["BIG"], b * h)](
