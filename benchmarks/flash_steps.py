@@ -20,7 +20,7 @@ halved when causal) by the median of ``triton.testing.do_bench``, in five groups
   as 2.5 forwards; then the Hopper backward (``flash_attention_backward_tma``) called directly,
   the dK/dV programs and the dQ programs launched in turn, then in one launch at each of its
   configurations, then autotuned, and autotuned through autograd (``flash_attention_tma(...,
-  tma_backward=True)``) as training calls it;
+  tma_backward=True)``) as training calls it (each autotuned row records the tile the autotuner chose);
 - ``backward parts``: the Hopper backward's dK/dV programs alone and its dQ programs alone, at
   four and at three pipeline stages, each rate counted by the products that kind performs (4 and 3
   of the 7), not by the convention's 2.5 forwards: which kind a change speeds up.
@@ -154,6 +154,15 @@ def _forward_rows() -> list[tuple[str, str, Callable[..., torch.Tensor]]]:
     ]
 
 
+def _autotuned(autotuner: Any) -> str | None:
+    """The config ``autotuner`` launched last (None if it has not launched one), as the record shows it."""
+    config = getattr(autotuner, "best_config", None)
+    if config is None:
+        return None
+    blocks = ", ".join(f"{name} {value}" for name, value in config.kwargs.items())
+    return f"{blocks}, {config.num_warps} warps, {config.num_stages} stages"
+
+
 def _error(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
@@ -271,6 +280,8 @@ def steps(config: dict[str, Any], ms: Ms, device: str = "cuda", dtype: torch.dty
         want = fa2(q, k, v, causal)
         for group, label, attend in _forward_rows():
             rows.append(_row(group, label, causal, flops, _forward_case(attend, q, k, v, causal, want), ms))
+            if label.startswith("TMA, autotuned"):
+                rows[-1]["autotuned_config"] = _autotuned(fh._tma_fwd)
         if not causal:
             for mode, label in CEILINGS.items():
                 rows.append(_row("ceiling", label, causal, flops, _ceiling_case(q, k, v, mode, want), ms))
@@ -286,6 +297,8 @@ def steps(config: dict[str, Any], ms: Ms, device: str = "cuda", dtype: torch.dty
         rows.append(_row("backward", "Hopper, autotuned, through autograd", causal, 2.5 * flops,
                          _backward_case(partial(fh.flash_attention_tma, tma_backward=True), leaves, dout, causal,
                                         want_grads), ms))
+        for row in rows[-2:]:  # the autotuned Hopper rows: which tile the autotuner chose is part of the result
+            row["autotuned_config"] = _autotuned(fh._tma_bwd)
         for label, products, tile, launches in _part_rows():
             rows.append(_row("backward parts", label, causal, products * flops / 2,
                              _part_case(q, k, v, dout, causal, tile, launches), ms))

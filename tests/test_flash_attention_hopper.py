@@ -154,9 +154,23 @@ def test_steps_benchmark_records_rates_and_errors():
     assert "backend" in rows[("reference", "SDPA cuDNN", False)]["error"]
     assert "must divide seq=32" in rows[("step", "TMA, 128x128, 8 warps, 3 stages", False)]["error"]
     assert "must divide seq=32" in rows[("ceiling", "+ exp2: the full online softmax", False)]["error"]
+    # The autotuned rows say which tile was chosen (none here: the interpreter launches one fixed tile).
+    assert [r["autotuned_config"] for r in record["rows"] if "autotuned_config" in r] == [None] * 6
     parts = [r for r in record["rows"] if r["group"] == "backward parts"]
     assert len(parts) == 8 and all("must divide seq=32" in r["error"] for r in parts)  # 2 kinds x 2 tiles x 2 masks
     assert record["matmul_tflops"] > 0 and len(calls) == sum(r["error"] is None for r in record["rows"]) + 1
+
+
+def test_steps_benchmark_names_the_autotuners_choice():
+    import triton
+
+    from benchmarks import flash_steps as fs
+
+    class Tuned:
+        best_config = triton.Config({"BIG": 128, "SMALL": 64}, num_warps=8, num_stages=4)
+
+    assert fs._autotuned(Tuned()) == "BIG 128, SMALL 64, 8 warps, 4 stages"
+    assert fs._autotuned(object()) is None
 
 
 @pytest.mark.skipif(not env.INTERPRET, reason="interpreter tier")
