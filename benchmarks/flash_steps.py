@@ -5,7 +5,10 @@
 writes ``benchmarks/results/flash_steps_<gpu>.json`` (``-quick`` with ``--quick``), which the
 chapter renders with ``course_lib.support.records.load_record``. One shape (B4 H32 N4096 D128,
 bf16; ``--quick``: B1 H4 N1024), without and with the causal mask, forward TFLOP/s (4 B H N^2 D,
-halved when causal) by the median of ``triton.testing.do_bench``, in five groups:
+halved when causal) by the median of ``triton.testing.do_bench``, each mask's rows timed in three
+interleaved rounds (one with ``--quick``; each row keeps the median and the spread of its rounds:
+rows running the same kernel were seen to differ by 10% on an H100 when timed once each, one after
+the other), in five groups:
 
 - ``reference``: SDPA pinned to its FlashAttention-2 backend and to cuDNN's (the fastest on Hopper);
 - ``step``: the teaching kernel at the chapter's fixed launch (``launch_config``), then autotuned;
@@ -31,6 +34,7 @@ Every row that computes attention (all but the parts) is checked against the FA2
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -49,8 +53,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["FULL", "QUICK", "ceiling_forward", "main", "measure", "steps"]
 
-FULL: dict[str, Any] = {"batch": 4, "heads": 32, "seq": 4096, "head_dim": 128, "warmup_ms": 25, "rep_ms": 100}
-QUICK: dict[str, Any] = {"batch": 1, "heads": 4, "seq": 1024, "head_dim": 128, "warmup_ms": 5, "rep_ms": 20}
+FULL: dict[str, Any] = {"batch": 4, "heads": 32, "seq": 4096, "head_dim": 128, "warmup_ms": 25, "rep_ms": 100,
+                        "rounds": 3}
+QUICK: dict[str, Any] = {"batch": 1, "heads": 4, "seq": 1024, "head_dim": 128, "warmup_ms": 5, "rep_ms": 20,
+                         "rounds": 1}
 TOLERANCE = 2e-2  # max |row - FA2| / max |FA2|, bf16
 CEILINGS = {0: "two products only (P = S)", 1: "+ row max and rescale, no exp2", 2: "+ exp2: the full online softmax"}
 
@@ -174,6 +180,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 Case = Callable[[], tuple[Callable[[], Any], Callable[[], None] | None]]  # builds (timed call, check or None)
+Timed = tuple[Callable[[], Any], float]  # a checked row's call and the FLOPs one call is credited with
 
 
 def _forward_case(attend: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -252,20 +259,42 @@ def _tile(config: tuple[int, int, int, int]) -> str:
     return f"{big}x{small}, {warps} warps, {stages} stages"
 
 
-def _row(group: str, label: str, causal: bool, flops: float, case: Case, ms: Ms) -> dict[str, Any]:
-    """One row: the case checked, then timed; any failure (compile, mismatch) becomes the row's error."""
+def _prepared(group: str, label: str, causal: bool, flops: float, case: Case) -> tuple[dict[str, Any], Timed | None]:
+    """One row built and checked, not yet timed: (its entry, (call, FLOPs per call)); a failure is the row's error."""
     entry: dict[str, Any] = {"group": group, "label": label, "causal": causal, "error": None}
     try:
         call, check = case()
         if check is not None:
             check()
-        entry["ms"] = ms(call)
-        entry["tflops"] = flops / entry["ms"] / 1e9
     except Exception as exc:  # noqa: BLE001 - a variant that fails is a row of the record
         entry["error"] = _error(exc)
-    print(f"{group:9} causal={causal!s:5} {label:52} " +
-          (f"{entry['tflops']:6.1f} TFLOP/s" if entry["error"] is None else entry["error"]), flush=True)
-    return entry
+        return entry, None
+    return entry, (call, flops)
+
+
+def _timed(prepared: list[tuple[dict[str, Any], Timed | None]], ms: Ms, rounds: int) -> list[dict[str, Any]]:
+    """Time the prepared rows in ``rounds`` interleaved rounds (every row once per round, in turn), so that a drift
+    of the GPU's clocks over the run reaches all rows alike: a row's ms is the median of its rounds and its
+    ``spread`` (max - min) / median, the run's own measure of its noise."""
+    calls = {i: timed for i, (_, timed) in enumerate(prepared) if timed is not None}
+    samples: dict[int, list[float]] = {i: [] for i in calls}
+    for _ in range(rounds):
+        for i in list(samples):
+            try:
+                samples[i].append(ms(calls[i][0]))
+            except Exception as exc:  # noqa: BLE001 - a row that fails when timed is recorded with why
+                prepared[i][0]["error"] = _error(exc)
+                del samples[i]
+    for i, times in samples.items():
+        entry, flops = prepared[i][0], calls[i][1]
+        entry["ms"] = statistics.median(times)
+        entry["tflops"] = flops / entry["ms"] / 1e9
+        entry["spread"] = (max(times) - min(times)) / entry["ms"]
+    for entry, _ in prepared:
+        print(f"{entry['group']:9} causal={entry['causal']!s:5} {entry['label']:52} " +
+              (f"{entry['tflops']:6.1f} TFLOP/s (spread {entry['spread']:.0%})" if entry["error"] is None
+               else entry["error"]), flush=True)
+    return [entry for entry, _ in prepared]
 
 
 def steps(config: dict[str, Any], ms: Ms, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
@@ -278,36 +307,41 @@ def steps(config: dict[str, Any], ms: Ms, device: str = "cuda", dtype: torch.dty
     for causal in (False, True):
         flops = 4.0 * b * h * n * n * d / (2 if causal else 1)
         want = fa2(q, k, v, causal)
+        prepared = []
         for group, label, attend in _forward_rows():
-            rows.append(_row(group, label, causal, flops, _forward_case(attend, q, k, v, causal, want), ms))
+            prepared.append(_prepared(group, label, causal, flops, _forward_case(attend, q, k, v, causal, want)))
             if label.startswith("TMA, autotuned"):
-                rows[-1]["autotuned_config"] = _autotuned(fh._tma_fwd)
+                prepared[-1][0]["autotuned_config"] = _autotuned(fh._tma_fwd)
         if not causal:
             for mode, label in CEILINGS.items():
-                rows.append(_row("ceiling", label, causal, flops, _ceiling_case(q, k, v, mode, want), ms))
+                prepared.append(_prepared("ceiling", label, causal, flops, _ceiling_case(q, k, v, mode, want)))
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         want_grads = torch.autograd.grad(fa2(leaves[0], leaves[1], leaves[2], causal), leaves, dout)
         for label, attend in (("SDPA flash (FA2)", fa2), ("SDPA cuDNN", _sdpa("CUDNN_ATTENTION")),
                               ("course_lib, three kernels", fa.flash_attention)):
-            rows.append(_row("backward", label, causal, 2.5 * flops,
-                             _backward_case(attend, leaves, dout, causal, want_grads), ms))
+            prepared.append(_prepared("backward", label, causal, 2.5 * flops,
+                                      _backward_case(attend, leaves, dout, causal, want_grads)))
         for label, options in _hopper_backward_rows():
-            rows.append(_row("backward", label, causal, 2.5 * flops,
-                             _hopper_backward_case(q, k, v, dout, causal, want_grads, **options), ms))
-        rows.append(_row("backward", "Hopper, autotuned, through autograd", causal, 2.5 * flops,
-                         _backward_case(partial(fh.flash_attention_tma, tma_backward=True), leaves, dout, causal,
-                                        want_grads), ms))
-        for row in rows[-2:]:  # the autotuned Hopper rows: which tile the autotuner chose is part of the result
-            row["autotuned_config"] = _autotuned(fh._tma_bwd)
+            prepared.append(_prepared("backward", label, causal, 2.5 * flops,
+                                      _hopper_backward_case(q, k, v, dout, causal, want_grads, **options)))
+        prepared.append(_prepared("backward", "Hopper, autotuned, through autograd", causal, 2.5 * flops,
+                                  _backward_case(partial(fh.flash_attention_tma, tma_backward=True), leaves, dout,
+                                                 causal, want_grads)))
+        for entry, _ in prepared[-2:]:  # the autotuned Hopper rows: which tile the autotuner chose is part of the result
+            entry["autotuned_config"] = _autotuned(fh._tma_bwd)
         for label, products, tile, launches in _part_rows():
-            rows.append(_row("backward parts", label, causal, products * flops / 2,
-                             _part_case(q, k, v, dout, causal, tile, launches), ms))
+            prepared.append(_prepared("backward parts", label, causal, products * flops / 2,
+                                      _part_case(q, k, v, dout, causal, tile, launches)))
+        rows += _timed(prepared, ms, config.get("rounds", 1))
     gemm = torch.randn(8192, 8192, device=device, dtype=dtype) if device == "cuda" else torch.randn(64, 64)
     matmul_tflops = 2.0 * gemm.shape[0] ** 3 / ms(lambda: gemm @ gemm) / 1e9
     return {"batch": b, "heads": h, "seq": n, "head_dim": d, "dtype": str(dtype).removeprefix("torch."),
             "matmul_tflops": matmul_tflops, "matmul_shape": [gemm.shape[0]] * 3, "rows": rows,
             "flops": "forward 4 B H N^2 D, halved when causal; backward 2.5 x forward",
-            "timing": "median of triton.testing.do_bench (L2 flushed between calls)"}
+            "rounds": config.get("rounds", 1),
+            "timing": "per row, the median over interleaved rounds (every row of a mask once a round) of "
+                      "triton.testing.do_bench's median (L2 flushed between calls); spread: (max - min) / median "
+                      "over the rounds"}
 
 
 def measure(quick: bool = False) -> dict[str, Any]:

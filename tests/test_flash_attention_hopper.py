@@ -159,6 +159,31 @@ def test_steps_benchmark_records_rates_and_errors():
     parts = [r for r in record["rows"] if r["group"] == "backward parts"]
     assert len(parts) == 8 and all("must divide seq=32" in r["error"] for r in parts)  # 2 kinds x 2 tiles x 2 masks
     assert record["matmul_tflops"] > 0 and len(calls) == sum(r["error"] is None for r in record["rows"]) + 1
+    assert record["rounds"] == 1 and all(r["spread"] == 0 for r in record["rows"] if r["error"] is None)
+
+
+def test_steps_benchmark_times_rows_in_interleaved_rounds():
+    from benchmarks import flash_steps as fs
+
+    order, clock = [], iter([1.0, 2.0, 4.0, 1.0, 3.0, 4.0])  # two rows, three rounds
+
+    def ms(fn):
+        order.append(fn())
+        return next(clock)
+
+    def case(name):
+        return lambda: ((lambda: name), None)
+
+    def failing():
+        raise RuntimeError("does not compile")
+
+    prepared = [fs._prepared("step", "a", False, 1e9, case("a")), fs._prepared("step", "b", False, 2e9, case("b")),
+                fs._prepared("step", "c", False, 1e9, failing)]
+    a, b, c = fs._timed(prepared, ms, rounds=3)
+    assert order == ["a", "b", "a", "b", "a", "b"]  # every row once a round: a drift reaches both alike
+    assert a["ms"] == 3.0 and a["spread"] == pytest.approx((4 - 1) / 3) and a["tflops"] == pytest.approx(1 / 3)
+    assert b["ms"] == 2.0 and b["spread"] == pytest.approx((4 - 1) / 2) and b["tflops"] == pytest.approx(1.0)
+    assert "does not compile" in c["error"] and "ms" not in c
 
 
 def test_steps_benchmark_names_the_autotuners_choice():
