@@ -22,7 +22,10 @@ Cases (targets in brackets; ratio > 1 means ours is better):
     add        vector add fp32 vs torch.add (context, no target)
     transpose  coalesced vs naive transpose fp32 (context, no target)
 
-Each time is the median of ``triton.testing.do_bench``; the device-to-device copy bandwidth
+Each time is the median of ``triton.testing.do_bench``; an attention shape's implementations are
+checked first, then timed in interleaved rounds (``Sizes.rounds``: three in the full run, each
+implementation once a round, in turn) and keep the median, so that a drift of the GPU's clocks
+reaches ours and the references alike. The device-to-device copy bandwidth
 (``dst.copy_(src)``, bytes read + written) is measured in the same run. Attention FLOPs are
 4 B H N^2 D for the forward, halved when causal, and 2.5 x that for the backward, which is timed
 alone (one forward, then ``backward(retain_graph=True)`` repeated).

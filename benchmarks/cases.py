@@ -17,12 +17,14 @@ import contextlib
 import functools
 import gc
 import importlib
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._functorch.config  # noqa: F401  read by the attention rows; not imported by ``import torch`` alone
 import torch.nn.functional as F
 
 from benchmarks.report import Result, Target
@@ -49,7 +51,7 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class Sizes:
-    """The shapes of one run, and how long ``do_bench`` warms up and repeats (milliseconds)."""
+    """The shapes of one run, how long ``do_bench`` warms up and repeats (milliseconds), and in how many rounds."""
 
     copy_numel: int
     softmax: tuple[int, int]
@@ -61,6 +63,7 @@ class Sizes:
     transpose: tuple[int, int]
     warmup_ms: int
     rep_ms: int
+    rounds: int = 1  # attention: every implementation timed once a round, in turn; each keeps its median
 
 
 FULL = Sizes(
@@ -78,6 +81,7 @@ FULL = Sizes(
     transpose=(8192, 8192),
     warmup_ms=25,
     rep_ms=100,
+    rounds=3,
 )
 QUICK = Sizes(
     copy_numel=2**24,
@@ -176,6 +180,20 @@ def _extra(result: Result, label: str, measure: Callable[[], float]) -> None:
         result.context[label] = measure()
     except Exception as exc:
         result.notes.append(f"{label} failed: {_describe(exc)}")
+
+
+def _rounds(timers: dict[Any, Callable[[], float]], rounds: int, failures: dict[Any, Exception]) -> dict[Any, float]:
+    """Each timer's median over ``rounds`` rounds in which every timer runs once, in turn, so that a drift of the
+    GPU's clocks over the run reaches all of them alike; a timer that raises goes to ``failures`` and stops."""
+    samples: dict[Any, list[float]] = {key: [] for key in timers}
+    for _ in range(rounds):
+        for key in list(samples):
+            try:
+                samples[key].append(timers[key]())
+            except Exception as exc:
+                failures[key] = exc
+                del samples[key]
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -397,37 +415,66 @@ def _attention_pair(shape: AttentionShape, causal: bool, sizes: Sizes) -> tuple[
         expected = sdpa().detach()
         expected_grads = torch.autograd.grad(sdpa(), inputs, grad_out)
 
-    def rate(make: Callable[[], Callable[[], torch.Tensor]], part: str, backend: str | None = None) -> Callable[[], float]:
-        """A measurement of ``make()``'s call, checked against the flash backend's output or gradients first."""
-        def measure() -> float:
-            with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
+    timers: dict[tuple[str, str], Callable[[], float]] = {}  # (label, part) -> one timing, in TFLOP/s
+    failures: dict[tuple[str, str], Exception] = {}
+
+    def prepare(label: str, part: str, make: Callable[[], Callable[[], torch.Tensor]], backend: str | None = None) -> None:
+        """Check ``make()``'s call against the flash backend's output or gradients, and keep a timing of it."""
+        def context() -> contextlib.AbstractContextManager[Any]:
+            return sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext()
+
+        try:
+            with context():
                 call = make()
                 if part == "fwd":
                     _check_close(call().detach(), expected, 2e-2)
+                else:
+                    for name, got, want in zip("qkv", torch.autograd.grad(call(), inputs, grad_out), expected_grads):
+                        _check_close(got, want, 2e-2, f"d{name}")
+        except Exception as exc:
+            failures[label, part] = exc
+            return
+
+        def rate() -> float:
+            with context():
+                if part == "fwd":
                     return _tflops(flops, _ms(call, sizes))
-                for name, got, want in zip("qkv", torch.autograd.grad(call(), inputs, grad_out), expected_grads):
-                    _check_close(got, want, 2e-2, f"d{name}")
                 return _tflops(2.5 * flops, _backward_ms(call, grad_out, inputs, sizes))
-        return measure
+        timers[label, part] = rate
 
     def course(module: str, name: str) -> Callable[[], Callable[[], torch.Tensor]]:
         attention = _kernel(module, name)
         return lambda: (lambda: attention(q, k, v, causal=causal))
 
-    for result, part in ((fwd, "fwd"), (bwd, "bwd")):  # ours before anything torch.compile builds
+    references = {"SDPA flash (FA2)": (lambda: sdpa, "FLASH_ATTENTION"), "SDPA cuDNN": (lambda: sdpa, "CUDNN_ATTENTION"),
+                  "FlexAttention (torch.compile)": (lambda: _flex_attention(q, k, v, causal), None)}
+    for part in ("fwd", "bwd"):  # ours before anything torch.compile builds
         # Ours: the Hopper forward and backward where they apply (else the teaching kernels).
-        _ours(result, rate(course("flash_attention_hopper", "flash_attention_tma"), part))
-        _extra(result, "course_lib teaching kernels", rate(course("flash_attention", "flash_attention"), part))
+        prepare("ours", part, course("flash_attention_hopper", "flash_attention_tma"))
+        prepare("course_lib teaching kernels", part, course("flash_attention", "flash_attention"))
     # Without donated buffers, at compile time and when the backward runs (AOTAutograd reads the flag at both):
     # the backward timing calls backward(retain_graph=True) on one graph again and again, which a compiled
     # backward that may overwrite its saved buffers refuses.
     with torch._functorch.config.patch(donated_buffer=False):
-        for result, part in ((fwd, "fwd"), (bwd, "bwd")):
-            _fastest_reference(result, {
-                "SDPA flash (FA2)": rate(lambda: sdpa, part, "FLASH_ATTENTION"),
-                "SDPA cuDNN": rate(lambda: sdpa, part, "CUDNN_ATTENTION"),
-                "FlexAttention (torch.compile)": rate(lambda: _flex_attention(q, k, v, causal), part),
-            })
+        for part in ("fwd", "bwd"):
+            for label, (make, backend) in references.items():
+                prepare(label, part, make, backend)
+        rates = _rounds(timers, sizes.rounds, failures)
+
+    def measured(label: str, part: str) -> Callable[[], float]:
+        def value() -> float:
+            if (label, part) in failures:
+                raise failures[label, part]
+            return rates[label, part]
+        return value
+
+    for result, part in ((fwd, "fwd"), (bwd, "bwd")):
+        _ours(result, measured("ours", part))
+        _extra(result, "course_lib teaching kernels", measured("course_lib teaching kernels", part))
+        _fastest_reference(result, {label: measured(label, part) for label in references})
+        if sizes.rounds > 1:
+            result.notes.append(f"median of {sizes.rounds} interleaved rounds: every implementation of the shape "
+                                "timed once a round, in turn")
     torch.compiler.reset()
     return fwd, bwd
 

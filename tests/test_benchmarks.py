@@ -1,11 +1,12 @@
 """The benchmark suite's report (ratios, targets, JSON, markdown, file names) from synthetic
 measurements; the cases' plumbing on the CPU with stand-in kernels and timer; the CPU exit status."""
 
+import dataclasses
 import json
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -270,6 +271,35 @@ def test_every_case_yields_its_rows(on_cpu: None, monkeypatch: pytest.MonkeyPatc
                 note.startswith(f"{label} failed") for note in row.notes), (row.name, label)
     assert any(n.startswith("SDPA cuDNN failed") for n in fwd.notes)
     assert all("course_lib teaching kernels" in row.context for row in results[5:13])  # beside ours, the TMA path
+
+
+def test_rounds_interleave_the_timers_and_keep_each_median() -> None:
+    order: list[str] = []
+    clock = iter([1.0, 5.0, 3.0, 4.0, 2.0, 6.0])
+
+    def timer(name: str) -> Callable[[], float]:
+        def time_once() -> float:
+            order.append(name)
+            return next(clock)
+        return time_once
+
+    def broken() -> float:
+        order.append("c")
+        raise RuntimeError("illegal memory access")
+
+    failures: dict[object, Exception] = {}
+    medians = cases._rounds({"a": timer("a"), "b": timer("b"), "c": broken}, 3, failures)
+    assert order == ["a", "b", "c", "a", "b", "a", "b"]  # once a round each, in turn; a failure stops there
+    assert medians == {"a": 2.0, "b": 5.0} and str(failures["c"]) == "illegal memory access"
+
+
+def test_attention_rows_say_they_were_timed_in_rounds(on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, module in _stand_in_kernels().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    sizes = dataclasses.replace(TINY, attention=TINY.attention[:1], rounds=3)
+    _, results = cases.run(["attention"], sizes, log=lambda line: None)
+    assert len(results) == 4 and all(r.error is None for r in results)
+    assert all(any("3 interleaved rounds" in note for note in r.notes) for r in results)
 
 
 def test_a_failing_kernel_is_one_rows_error(on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
