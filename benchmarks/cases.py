@@ -27,6 +27,7 @@ import torch
 import torch._functorch.config  # noqa: F401  read by the attention rows; not imported by ``import torch`` alone
 import torch.nn.functional as F
 
+from benchmarks.provenance import interleaved_rounds
 from benchmarks.report import Result, Target
 from course_lib import env
 
@@ -180,20 +181,6 @@ def _extra(result: Result, label: str, measure: Callable[[], float]) -> None:
         result.context[label] = measure()
     except Exception as exc:
         result.notes.append(f"{label} failed: {_describe(exc)}")
-
-
-def _rounds(timers: dict[Any, Callable[[], float]], rounds: int, failures: dict[Any, Exception]) -> dict[Any, float]:
-    """Each timer's median over ``rounds`` rounds in which every timer runs once, in turn, so that a drift of the
-    GPU's clocks over the run reaches all of them alike; a timer that raises goes to ``failures`` and stops."""
-    samples: dict[Any, list[float]] = {key: [] for key in timers}
-    for _ in range(rounds):
-        for key in list(samples):
-            try:
-                samples[key].append(timers[key]())
-            except Exception as exc:
-                failures[key] = exc
-                del samples[key]
-    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,13 +446,14 @@ def _attention_pair(shape: AttentionShape, causal: bool, sizes: Sizes) -> tuple[
         for part in ("fwd", "bwd"):
             for label, (make, backend) in references.items():
                 prepare(label, part, make, backend)
-        rates = _rounds(timers, sizes.rounds, failures)
+        samples, failed = interleaved_rounds(timers, sizes.rounds)
+    failures.update(failed)
 
     def measured(label: str, part: str) -> Callable[[], float]:
         def value() -> float:
             if (label, part) in failures:
                 raise failures[label, part]
-            return rates[label, part]
+            return statistics.median(samples[label, part])
         return value
 
     for result, part in ((fwd, "fwd"), (bwd, "bwd")):

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.provenance import median_ms, record_main, run_facts
+from benchmarks.provenance import interleaved_rounds, median_ms, record_main, run_facts
 from course_lib.kernels import flash_attention as fa
 from course_lib.kernels import flash_attention_hopper as fh
 
@@ -250,7 +250,7 @@ def _part_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
     """One kind of the Hopper backward's programs alone (timed only: the other kind's gradients are not written)."""
     def build() -> tuple[Callable[[], Any], None]:
         out, lse = fh.flash_attention_forward_tma(q, k, v, causal)
-        return (lambda: fh._backward_launches(q, k, v, out, lse, dout, causal, None, tile, launches)), None
+        return (lambda: fh.backward_launches(q, k, v, out, lse, dout, causal, None, tile, launches)), None
     return build
 
 
@@ -277,14 +277,9 @@ def _timed(prepared: list[tuple[dict[str, Any], Timed | None]], ms: Ms, rounds: 
     of the GPU's clocks over the run reaches all rows alike: a row's ms is the median of its rounds and its
     ``spread`` (max - min) / median, the run's own measure of its noise."""
     calls = {i: timed for i, (_, timed) in enumerate(prepared) if timed is not None}
-    samples: dict[int, list[float]] = {i: [] for i in calls}
-    for _ in range(rounds):
-        for i in list(samples):
-            try:
-                samples[i].append(ms(calls[i][0]))
-            except Exception as exc:  # noqa: BLE001 - a row that fails when timed is recorded with why
-                prepared[i][0]["error"] = _error(exc)
-                del samples[i]
+    samples, failures = interleaved_rounds({i: partial(ms, call) for i, (call, _) in calls.items()}, rounds)
+    for i, exc in failures.items():  # a row that fails when timed is recorded with why
+        prepared[i][0]["error"] = _error(exc)
     for i, times in samples.items():
         entry, flops = prepared[i][0], calls[i][1]
         entry["ms"] = statistics.median(times)

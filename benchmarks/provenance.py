@@ -4,6 +4,7 @@
     raise SystemExit(record_main("flash_steps", __doc__, measure))   # --out PATH, --quick; CUDA only
     ms = functools.partial(median_ms, config)                          # how those modules time a call: ms(fn)
     host = host_ms(fn)                                                 # what the same call costs the CPU
+    samples, failures = interleaved_rounds({"ours": t1, "cuDNN": t2}, 3)  # several timers, drift shared alike
 
 The same facts on a machine without a GPU say so ("none (CPU)"), so a CPU smoke run and a
 notebook run on a laptop are recorded by the one function.
@@ -16,17 +17,19 @@ import datetime as dt
 import json
 import platform
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from benchmarks.report import gpu_slug
 from course_lib.profiling import host_seconds
 
-__all__ = ["RESULTS", "driver_version", "host_ms", "machine_facts", "median_ms", "record_main", "record_path",
-           "run_facts"]
+__all__ = ["RESULTS", "driver_version", "host_ms", "interleaved_rounds", "machine_facts", "median_ms", "record_main",
+           "record_path", "run_facts"]
+
+K = TypeVar("K")
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -77,6 +80,26 @@ def median_ms(config: dict[str, Any], fn: Callable[[], Any], grad_to_none: list[
 
     return float(do_bench(fn, warmup=config["warmup_ms"], rep=config["rep_ms"], grad_to_none=grad_to_none or None,
                           return_mode="median"))
+
+
+def interleaved_rounds(timers: Mapping[K, Callable[[], float]],
+                       rounds: int) -> tuple[dict[K, list[float]], dict[K, Exception]]:
+    """(samples, failures): each timer's results over ``rounds`` rounds in which every timer runs once, in turn.
+
+    A drift of the GPU's clocks over a run then reaches every timer alike, where timing each one's
+    rounds back to back would hand the drift to whichever ran last. A timer that raises stops: its
+    exception goes to ``failures`` and its samples are dropped.
+    """
+    samples: dict[K, list[float]] = {key: [] for key in timers}
+    failures: dict[K, Exception] = {}
+    for _ in range(rounds):
+        for key in list(samples):
+            try:
+                samples[key].append(timers[key]())
+            except Exception as exc:  # noqa: BLE001 - the caller reports each failure as its row's error
+                failures[key] = exc
+                del samples[key]
+    return samples, failures
 
 
 def host_ms(fn: Callable[[], Any], grad_to_none: list[torch.Tensor] | None = None, *, calls: int = 20,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import cases
+from benchmarks.provenance import interleaved_rounds
 from benchmarks.report import KNOWN_SLUGS, Report, Result, Target, gpu_slug
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,7 +274,7 @@ def test_every_case_yields_its_rows(on_cpu: None, monkeypatch: pytest.MonkeyPatc
     assert all("course_lib teaching kernels" in row.context for row in results[5:13])  # beside ours, the TMA path
 
 
-def test_rounds_interleave_the_timers_and_keep_each_median() -> None:
+def test_rounds_interleave_the_timers_and_keep_each_sample() -> None:
     order: list[str] = []
     clock = iter([1.0, 5.0, 3.0, 4.0, 2.0, 6.0])
 
@@ -287,10 +288,9 @@ def test_rounds_interleave_the_timers_and_keep_each_median() -> None:
         order.append("c")
         raise RuntimeError("illegal memory access")
 
-    failures: dict[object, Exception] = {}
-    medians = cases._rounds({"a": timer("a"), "b": timer("b"), "c": broken}, 3, failures)
+    samples, failures = interleaved_rounds({"a": timer("a"), "b": timer("b"), "c": broken}, 3)
     assert order == ["a", "b", "c", "a", "b", "a", "b"]  # once a round each, in turn; a failure stops there
-    assert medians == {"a": 2.0, "b": 5.0} and str(failures["c"]) == "illegal memory access"
+    assert samples == {"a": [1.0, 3.0, 2.0], "b": [5.0, 4.0, 6.0]} and str(failures["c"]) == "illegal memory access"
 
 
 def test_attention_rows_say_they_were_timed_in_rounds(on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:

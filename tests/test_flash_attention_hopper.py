@@ -322,8 +322,8 @@ def test_each_kind_of_backward_program_alone_writes_its_own_gradients(causal):
     dout = torch.randn_like(q)
     out, lse = fh.flash_attention_forward_tma(q, k, v, causal)
     dq, dk, dv = fh.flash_attention_backward_tma(q, k, v, out, lse, dout, causal)
-    _, dk1, dv1 = fh._backward_launches(q, k, v, out, lse, dout, causal, None, None, (1,))
-    dq2, _, _ = fh._backward_launches(q, k, v, out, lse, dout, causal, None, None, (2,))
+    _, dk1, dv1 = fh.backward_launches(q, k, v, out, lse, dout, causal, None, None, (1,))
+    dq2, _, _ = fh.backward_launches(q, k, v, out, lse, dout, causal, None, None, (2,))
     for got, want in ((dk1, dk), (dv1, dv), (dq2, dq)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 

@@ -78,6 +78,7 @@ __all__ = [
     "SCHEDULES",
     "tma_backward_kernel",
     "flash_attention_backward_tma",
+    "backward_launches",
     "FlashAttentionTMA",
     "flash_attention_tma",
 ]
@@ -421,15 +422,18 @@ def flash_attention_backward_tma(
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, not {schedule!r}")
-    return _backward_launches(q, k, v, out, lse, dout, causal, scale, config, SCHEDULES[schedule])
+    return backward_launches(q, k, v, out, lse, dout, causal, scale, config, SCHEDULES[schedule])
 
 
-def _backward_launches(
+def backward_launches(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
     causal: bool, scale: float | None, config: tuple[int, int, int, int] | None, launches: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward as ``launches`` (``programs`` values) say; ``(1,)`` or ``(2,)`` alone, which
-    ``benchmarks.flash_steps`` times, leave the other kind's gradients unwritten."""
+    """(dQ, dK, dV) by one launch of the Hopper backward per ``programs`` value in ``launches`` (see ``SCHEDULES``).
+
+    ``(1,)`` (the dK/dV programs) or ``(2,)`` (the dQ ones) alone time one kind of program, as
+    ``benchmarks.flash_steps`` does; the other kind's gradients are then left unwritten (uninitialised).
+    """
     config, scale = _checked_launch(q, k, v, config, scale, "backward", ("BIG", "SMALL"))
     b, h, n, d = q.shape
     qm, km, vm, om, dom = (_rows_view(t) for t in (q, k, v, out, dout))
