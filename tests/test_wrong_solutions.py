@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.wrong_solutions.harness import RIGHT, Outcome, chapters_with_wrong_solutions, grade_wrong_solutions, wrong_solutions
+from tests.wrong_solutions.harness import (
+    REPLAY_VARIABLE,
+    RIGHT,
+    Outcome,
+    chapters_with_wrong_solutions,
+    grade_wrong_solutions,
+    wrong_solutions,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +38,13 @@ class _Chapter:
     chapter = ""
 
     def test_the_course_solution_passes(self, outcomes: dict[tuple[str, str], Outcome]) -> None:
-        failed = [f"{o.grade_id}: {o.message}" for o in outcomes.values() if o.label == RIGHT and not o.passed]
-        assert not failed, "the course's own solution failed in the short notebook:\n" + "\n".join(failed)
+        failed = [o for o in outcomes.values() if o.label == RIGHT and not o.passed]
+        assert not failed, (f"the course's own solution failed in the short notebook ({_replay(failed[0])}):\n"
+                            + "\n".join(f"{o.grade_id}: {o.message}" for o in failed))
+
+
+def _replay(outcome: Outcome) -> str:
+    return f"hidden inputs from secret {outcome.secret}; {REPLAY_VARIABLE}={outcome.secret} replays them"
 
 
 def _chapter_class(chapter: str) -> type:
@@ -42,7 +54,8 @@ def _chapter_class(chapter: str) -> type:
     def test_wrong_solution_scores_zero(self: _Chapter, outcomes: dict[tuple[str, str], Outcome], grade_id: str,
                                         label: str) -> None:
         outcome = outcomes[grade_id, label]
-        assert not outcome.passed, f"{self.chapter} {grade_id}: a wrong solution passed its test cell: {label}"
+        assert not outcome.passed, (f"{self.chapter} {grade_id}: a wrong solution passed its test cell: {label} "
+                                    f"({_replay(outcome)})")
         assert outcome.message, f"{self.chapter} {grade_id}: failed without a message for the student: {label}"
 
     name = "TestWrongSolutions_" + chapter.split("_", 1)[0]
@@ -52,3 +65,16 @@ def _chapter_class(chapter: str) -> type:
 for _chapter in chapters_with_wrong_solutions():
     _cls = _chapter_class(_chapter)
     globals()[_cls.__name__] = _cls
+
+
+def test_a_run_replays_the_secret_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.wrong_solutions.harness import run_secret
+
+    monkeypatch.setenv(REPLAY_VARIABLE, " 19763417 ")
+    assert run_secret() == 19763417
+    monkeypatch.setenv(REPLAY_VARIABLE, "-5")
+    with pytest.raises(ValueError, match="non-negative integer"):
+        run_secret()
+    monkeypatch.delenv(REPLAY_VARIABLE)
+    drawn = {run_secret() for _ in range(8)}
+    assert len(drawn) > 1 and all(0 <= s < 2**31 - 1 for s in drawn)

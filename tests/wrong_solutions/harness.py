@@ -5,7 +5,8 @@ test ``grade_id`` -> ``{label: source of a solution cell}``. Each source is what
 write: it passes the visible checks (most do) but misses the mechanism, mishandles an edge case,
 or calls the reference. Graded by the real grader's parts (``autograder.execute.TrustedExecute``:
 the test cell runs in the trusted tester, hidden tests included, inputs drawn from a secret; the
-exercise's reference refuses to run), each must fail.
+exercise's reference refuses to run), each must fail, whatever the secret: each run draws a fresh
+one, and a failure names it so that ``WRONG_SOLUTIONS_SECRET=<secret>`` replays that run.
 
 One kernel per chapter keeps this cheap: it runs the setup cells, the cells of imports only, the
 solution cells and the cells whose definitions live in the kernel, then, per exercise, the right solution's test (which
@@ -39,10 +40,12 @@ from autograder.execute import TrustedExecute
 from autograder.tester import STUDENT_SIDE_KEY
 from course_lib.support.hosted import SETUP_CELL_ID
 
-__all__ = ["HERE", "Outcome", "chapters_with_wrong_solutions", "grade_wrong_solutions", "solution_cells", "wrong_solutions"]
+__all__ = ["HERE", "REPLAY_VARIABLE", "Outcome", "chapters_with_wrong_solutions", "grade_wrong_solutions", "run_secret",
+           "solution_cells", "wrong_solutions"]
 
 HERE = Path(__file__).resolve().parent
 RIGHT = "the course's solution"
+REPLAY_VARIABLE = "WRONG_SOLUTIONS_SECRET"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Outcome:
     label: str
     passed: bool
     message: str
+    secret: int  # the run's grading secret: WRONG_SOLUTIONS_SECRET=<it> replays the run's hidden inputs
 
 
 def chapters_with_wrong_solutions() -> list[str]:
@@ -114,6 +118,16 @@ def _context(nb: NotebookNode) -> tuple[list[NotebookNode], dict[str, NotebookNo
     return keep, solutions, tests
 
 
+def run_secret() -> int:
+    """The grading secret of a run: ``$WRONG_SOLUTIONS_SECRET`` (to replay a run that failed), else a fresh one."""
+    given = os.environ.get(REPLAY_VARIABLE, "").strip()
+    if not given:
+        return secrets.randbelow(2**31 - 1)
+    if not given.isdigit():
+        raise ValueError(f"{REPLAY_VARIABLE} must be a non-negative integer (a run's secret), got {given!r}")
+    return int(given)
+
+
 def _plain(source: str) -> NotebookNode:
     return nbformat.v4.new_code_cell(source)
 
@@ -160,12 +174,13 @@ def grade_wrong_solutions(source_notebook: Path, wrong: dict[str, dict[str, str]
     short = nbformat.v4.new_notebook(cells=cells, metadata=nb.metadata)
     workdir.mkdir(parents=True, exist_ok=True)
     root = source_notebook.resolve().parents[2]
-    env = {**child_environment(root), "CUDA_VISIBLE_DEVICES": ""}  # CPU grading, on any host: see the module docstring
+    env = {**child_environment(root), "CUDA_VISIBLE_DEVICES": ""}
+    secret = run_secret()  # CPU grading, on any host: see the module docstring
     runner = TrustedExecute(
         kernel_name="python3", timeout=int(cell_timeout), interrupt_on_timeout=True,
         extra_arguments=["--IPKernelApp.log_level=ERROR"],
         source_notebook=str(source_notebook), tester_socket=str(workdir / "tester.sock"),
-        tester_timeout=float(cell_timeout), tester_env={**env, SECRET_VARIABLE: str(secrets.randbelow(2**31 - 1))},
+        tester_timeout=float(cell_timeout), tester_env={**env, SECRET_VARIABLE: str(secret)},
     )
     with course_environment(root), _cpu_only():
         runner.preprocess(short, {"metadata": {"path": str(workdir)}})
@@ -174,5 +189,5 @@ def grade_wrong_solutions(source_notebook: Path, wrong: dict[str, dict[str, str]
     for (grade_id, label), cell in zip(plan, graded, strict=True):
         errors = [o for o in cell.outputs if o.output_type == "error"]
         message = f"{errors[0].ename}: {errors[0].evalue}" if errors else ""
-        outcomes.append(Outcome(grade_id, label, not errors, message))
+        outcomes.append(Outcome(grade_id, label, not errors, message, secret))
     return outcomes
