@@ -174,8 +174,8 @@ def grade_wrong_solutions(source_notebook: Path, wrong: dict[str, dict[str, str]
     short = nbformat.v4.new_notebook(cells=cells, metadata=nb.metadata)
     workdir.mkdir(parents=True, exist_ok=True)
     root = source_notebook.resolve().parents[2]
-    env = {**child_environment(root), "CUDA_VISIBLE_DEVICES": ""}
-    secret = run_secret()  # CPU grading, on any host: see the module docstring
+    env = {**child_environment(root), "CUDA_VISIBLE_DEVICES": ""}  # CPU grading, on any host: see the module docstring
+    secret = run_secret()
     runner = TrustedExecute(
         kernel_name="python3", timeout=int(cell_timeout), interrupt_on_timeout=True,
         extra_arguments=["--IPKernelApp.log_level=ERROR"],
