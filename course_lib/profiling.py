@@ -446,7 +446,9 @@ def top_ops(source: Any, by: str = "self_cpu_time_total", k: int = 5) -> list[tu
 # match wins: attention before matmul (cuDNN's attention kernels carry "sm90" too), the loss before
 # the elementwise rest.
 STEP_CATEGORIES: list[tuple[str, str]] = [
-    ("attention", r"fmha|flash|attention|sdpa|_attn"),
+    # besides the fused kernels' names: cuDNN's backward pre- and post-pass (dot_do_o, convert_dq) and chapter 10's kernels
+    ("attention", r"fmha|flash|attention|sdpa|_attn|dot_do_o|convert_dq|tma_(forward|backward)_kernel|dkdv_kernel"
+                  r"|^dq_kernel|_bwd_preprocess"),
     ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|aten::(mm|addmm|bmm|matmul|linear)\b|sm90_"),
     ("loss", r"cross_entropy|log_?softmax|nll_loss"),
     ("optimizer", r"adam|multi_tensor|foreach"),
