@@ -153,7 +153,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks
 
 # Every one-GPU record the chapters render (docs/gpu-run.md lists which chapter reads which), then the suite.
-GPU_RECORDS := figures step_graphs mixed_precision cross_entropy gelu_steps tiling attention flash_steps gemm capstone capstone_mfu
+GPU_RECORDS := figures step_graphs mixed_precision cross_entropy gelu_steps tiling attention flash_steps gemm capstone capstone_mfu capstone_attention
 bench-records: $(STAMP)
 	@for m in $(GPU_RECORDS); do echo "== benchmarks.$$m"; $(PY) -m benchmarks.$$m || exit 1; done
 	$(PY) -m benchmarks

@@ -12,6 +12,7 @@ and the grouped order; 09), ``benchmarks.attention`` (FlashAttention beside FA2 
 ``benchmarks.gemm`` (cuBLAS rates over a grid of GEMM shapes, the planner's size dependence; 16) and
 ``benchmarks.capstone`` (the capstone's ablation, one technique added at a time; 16),
 ``benchmarks.capstone_mfu`` (the capstone's tokens/s and MFU change by change, each with its profile; 16),
+``benchmarks.capstone_attention`` (attention at the capstone's shape, in the model's layout and contiguous; 16),
 all starting from ``benchmarks.provenance`` (date, GPU, driver, versions). Also:
 ``benchmarks.distributed`` (the NCCL benchmark, under torchrun), ``benchmarks.checks`` (the
 distributed chapters' self-checks, under torchrun; ``python -m benchmarks.checks`` runs them all as a
@@ -19,6 +20,8 @@ multi-node job), ``benchmarks.notebooks`` (notebook run times)
 and ``benchmarks.grading`` (the grader's throughput, on any machine).
 """
 
-__all__ = ["attention", "capstone", "capstone_mfu", "cases", "checks", "cross_entropy", "distributed", "figures",
-           "flash_steps", "gelu_steps", "gemm", "grading", "mixed_precision", "notebooks", "provenance", "report", "step_graphs",
-           "tiling"]
+__all__ = [
+    "attention", "capstone", "capstone_attention", "capstone_mfu", "cases", "checks", "cross_entropy", "distributed",
+    "figures", "flash_steps", "gelu_steps", "gemm", "grading", "mixed_precision", "notebooks", "provenance", "report",
+    "step_graphs", "tiling",
+]

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from benchmarks.provenance import host_ms, median_ms, record_main, run_facts
 
-__all__ = ["FULL", "QUICK", "attention_flops", "host_bound", "implementations", "main", "measure", "sweep"]
+__all__ = ["FULL", "QUICK", "attention_flops", "host_bound", "implementations", "main", "measure", "relative_error", "sweep"]
 
 FULL: dict[str, Any] = {"batch": 4, "heads": 32, "head_dim": 128, "seq_lens": [1024, 2048, 4096, 8192],
                         "warmup_ms": 25, "rep_ms": 100}
@@ -79,7 +79,8 @@ def implementations() -> dict[str, Attention]:
     }
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (over 1 where want is all zeros), in fp32."""
     return (got.float() - want.float()).abs().max().item() / (want.float().abs().max().item() or 1.0)
 
 
@@ -91,7 +92,7 @@ def _measure(fn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
     out = fn(q, k, v, causal)
     got = (out.detach(), *torch.autograd.grad(out, inputs, dout))
     for label, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
-        error = _relative_error(a, b)
+        error = relative_error(a, b)
         if not error <= TOLERANCE:  # NaN fails too
             raise AssertionError(f"{label} differs from {reference}'s: max error {error:.2e} x max|ref|")
     def forward() -> Any:

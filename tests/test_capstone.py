@@ -335,3 +335,40 @@ def test_benchmark_record_quick_on_cpu(tmp_path):
     record = json.loads(out.read_text())
     assert record["order"] == list(capstone.TECHNIQUES) and len(record["rows"]) == 5
     assert record["rows"][0]["added"] is None and record["tokens_per_step"] == RUN.tokens_per_step
+
+
+def test_capstone_attention_benchmark_measures_each_layout_on_stand_ins():
+    # The record compares attention in the model's layout (strided views of one projection) with contiguous
+    # tensors: the instrument must hand each implementation the layout it names, check it, and keep a failing row.
+    from benchmarks import capstone_attention as bench
+    from course_lib import profiling
+
+    seen = []
+
+    def math(q, k, v, causal):
+        seen.append(q.is_contiguous())
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def broken(q, k, v, causal):
+        raise RuntimeError("no kernel\nhere")
+
+    impls = {"math": math, "no mask": lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v), "broken": broken}
+    config = {"batches": [1, 3], "heads": 2, "seq": 16, "head_dim": 8}
+    profile = functools.partial(profiling.profile_categories, device="cpu", steps=2)
+    result = bench.sweep(impls, config, lambda fn, grads: (fn(), 0.5)[1], lambda fn, grads: 0.25, profile,
+                         device="cpu", dtype=torch.float32)
+    rows = {(r["batch"], r["layout"], r["implementation"]): r for r in result["rows"]}
+    assert len(rows) == 2 * len(bench.LAYOUTS) * len(impls) and result["layouts"] == list(bench.LAYOUTS)
+    assert False in seen and True in seen, "the model layout passes strided views, the contiguous one does not"
+    ok = rows[(3, "model", "math")]
+    assert ok["error"] is None and ok["wall_ms"] == 0.5 and ok["host_ms"] == 0.25 and ok["kernel_ms"] > 0
+    assert ok["other_ms"] == pytest.approx(ok["kernel_ms"] - ok["attention_ms"]) and ok["kernels"]
+    flops = 3.5 * 4 * 3 * 2 * 16 * 16 * 8 / 2
+    assert ok["tflops"] == pytest.approx(flops / 0.5e-3 / 1e12)
+    for layout in bench.LAYOUTS:
+        assert "differs from math's" in rows[(1, layout, "no mask")]["error"], "a missing causal mask is caught"
+        assert rows[(1, layout, "broken")]["error"] == "RuntimeError: no kernel here"
+    forward, grad, leaves = bench.layout_call(math, 2, 2, 16, 8, "model", "cpu", torch.float32)
+    assert forward().shape == grad.shape == (2, 16, 16) and [t.shape for t in leaves] == [(2, 16, 48)]
+    with pytest.raises(ValueError, match="layout"):
+        bench.layout_call(math, 2, 2, 16, 8, "rows", "cpu", torch.float32)
