@@ -59,6 +59,10 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("+ fused loss, bf16 weights, batch x2", {"fused_loss": True, "bf16_weights": True, "batch_size": 2}),
     ("+ fused loss, bf16 weights, bias+GELU kernel, batch x2", {"fused_loss": True, "bf16_weights": True,
                                                              "kernel_gelu": True, "batch_size": 2}),
+    ("+ fused loss, bf16 weights, bias+GELU kernel, batch x4", {"fused_loss": True, "bf16_weights": True,
+                                                             "kernel_gelu": True, "batch_size": 4}),
+    ("+ fused loss, bf16 weights, bias+GELU kernel, batch x8", {"fused_loss": True, "bf16_weights": True,
+                                                             "kernel_gelu": True, "batch_size": 8}),
 ]
 
 def matmul_peak(device: torch.device, shapes: Iterable[tuple[int, int, int]],
